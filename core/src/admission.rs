@@ -1,0 +1,84 @@
+//! Admission control: pool saturation and shedding of sheddable (negative-priority) requests.
+
+use crate::config::PolicyConfig;
+use crate::decision::Shed;
+use crate::endpoints::EndpointState;
+use crate::score::metrics_fresh;
+
+/// Saturation of one endpoint: `max(waiting / queue_threshold, kv_usage / kv_threshold)`, or 1.0
+/// when its metrics are stale or missing (an endpoint we cannot see is assumed full).
+pub(crate) fn endpoint_saturation(cfg: &PolicyConfig, ep: &EndpointState, now_ms: u64) -> f64 {
+    match &ep.metrics {
+        Some(m) if metrics_fresh(ep, cfg, now_ms) => {
+            let a = &cfg.admission;
+            (f64::from(m.waiting) / a.queue_threshold).max(m.kv_usage / a.kv_threshold)
+        }
+        _ => 1.0,
+    }
+}
+
+/// Mean saturation over the given endpoints (0 when there are none).
+pub(crate) fn pool_saturation<'a>(
+    cfg: &PolicyConfig,
+    pool: impl Iterator<Item = &'a EndpointState>,
+    now_ms: u64,
+) -> f64 {
+    let (mut sum, mut n) = (0.0, 0u32);
+    for ep in pool {
+        sum += endpoint_saturation(cfg, ep, now_ms);
+        n += 1;
+    }
+    if n == 0 {
+        0.0
+    } else {
+        sum / f64::from(n)
+    }
+}
+
+/// Shed when the pool is saturated (≥ 1.0) and the request is sheddable (priority < 0).
+pub(crate) fn admit(cfg: &PolicyConfig, saturation: f64, priority: i32) -> Option<Shed> {
+    if cfg.admission.shed_sheddable && priority < 0 && saturation >= 1.0 {
+        Some(Shed {
+            status: 429,
+            reason: format!(
+                "pool saturated ({saturation:.2} >= 1.00; queue threshold {}, kv threshold {}) and request priority {priority} is sheddable",
+                cfg.admission.queue_threshold, cfg.admission.kv_threshold
+            ),
+        })
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::{MetricsSnapshot, Role};
+    use std::sync::Arc;
+
+    fn ep(m: Option<MetricsSnapshot>) -> EndpointState {
+        EndpointState {
+            id: Arc::from("10.0.0.1:1"),
+            role: Role::Decode,
+            healthy: true,
+            metrics: m,
+            inflight: 0,
+            incarnation: 1,
+        }
+    }
+
+    #[test]
+    fn saturation_formula() {
+        let cfg = PolicyConfig::default();
+        let m = |w, kv| Some(MetricsSnapshot { waiting: w, kv_usage: kv, updated_ms: 1000, ..Default::default() });
+        assert_eq!(endpoint_saturation(&cfg, &ep(m(10, 0.1)), 1000), 2.0);
+        assert_eq!(endpoint_saturation(&cfg, &ep(m(0, 0.4)), 1000), 0.5);
+        assert_eq!(endpoint_saturation(&cfg, &ep(m(0, 0.4)), 5000), 1.0, "stale");
+        assert_eq!(endpoint_saturation(&cfg, &ep(None), 0), 1.0, "missing");
+        let pool = [ep(m(10, 0.1)), ep(m(0, 0.0))];
+        assert_eq!(pool_saturation(&cfg, pool.iter(), 1000), 1.0);
+        assert!(admit(&cfg, 1.0, -1).is_some());
+        assert!(admit(&cfg, 1.0, 0).is_none());
+        assert!(admit(&cfg, 0.99, -5).is_none());
+    }
+}

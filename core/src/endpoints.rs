@@ -1,0 +1,232 @@
+//! The endpoint table: registered model servers, their roles, metric snapshots and the in-flight
+//! counters the router maintains itself.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::StateError;
+
+/// What an endpoint can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Prefill only (disaggregated serving).
+    Prefill,
+    /// Decode (a decode worker can also prefill locally when no prefill endpoint is named).
+    Decode,
+    /// Prefill and decode (a colocated worker).
+    Both,
+}
+
+impl Role {
+    /// Can run the decode phase (and so serve decode-direct and colocated requests).
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+    /// Can run the prefill phase for a disaggregated request.
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+    /// Lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+}
+
+/// An endpoint to register.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointSpec {
+    /// `ip:port` (IPv4 or bracketed IPv6).
+    pub id: String,
+    /// Role.
+    pub role: Role,
+}
+
+impl EndpointSpec {
+    /// A new spec.
+    pub fn new(id: impl Into<String>, role: Role) -> Self {
+        EndpointSpec { id: id.into(), role }
+    }
+}
+
+/// A metrics snapshot of one endpoint (as scraped from its `/metrics` or pushed).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSnapshot {
+    /// Requests waiting in the engine queue.
+    pub waiting: u32,
+    /// Requests running.
+    pub running: u32,
+    /// KV-cache usage 0–1.
+    pub kv_usage: f64,
+    /// LoRA adapters loaded and running.
+    pub lora_running: Vec<String>,
+    /// LoRA adapters waiting to be loaded.
+    pub lora_waiting: Vec<String>,
+    /// Maximum adapters the endpoint can hold at once (`None`: unknown / no LoRA support).
+    pub max_lora: Option<u32>,
+    /// When the snapshot was taken, milliseconds on the router's clock.
+    pub updated_ms: u64,
+}
+
+impl MetricsSnapshot {
+    pub(crate) fn validate(&self, endpoint: &str) -> Result<(), StateError> {
+        if !self.kv_usage.is_finite() || !(0.0..=1.0).contains(&self.kv_usage) {
+            return Err(StateError::InvalidMetrics {
+                endpoint: endpoint.to_owned(),
+                field: "kv_usage",
+                value: self.kv_usage.to_string(),
+                reason: "must be within [0, 1]",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Router-side state of one endpoint.
+#[derive(Debug, Clone)]
+pub(crate) struct EndpointState {
+    pub id: Arc<str>,
+    pub role: Role,
+    pub healthy: bool,
+    pub metrics: Option<MetricsSnapshot>,
+    pub inflight: u32,
+    /// Changes every time the slot is (re)assigned, so stale references can be detected.
+    pub incarnation: u32,
+}
+
+/// The endpoint table. Endpoints live in numbered slots (the index refers to slots); iteration is
+/// in id order so decisions do not depend on registration order.
+#[derive(Debug, Default)]
+pub(crate) struct EndpointTable {
+    slots: Vec<Option<EndpointState>>,
+    by_id: BTreeMap<Arc<str>, u16>,
+    order: Vec<u16>,
+    incarnations: u32,
+}
+
+/// Validate an `ip:port` endpoint id.
+pub fn validate_endpoint_id(id: &str) -> Result<(), StateError> {
+    match id.parse::<SocketAddr>() {
+        Ok(a) if a.port() != 0 => Ok(()),
+        Ok(_) => Err(StateError::InvalidEndpointId { id: id.to_owned(), reason: "port must not be 0".into() }),
+        Err(_) => Err(StateError::InvalidEndpointId {
+            id: id.chars().take(128).collect(),
+            reason: "expected ip:port (e.g. 10.0.0.7:8000 or [fd00::7]:8000)".into(),
+        }),
+    }
+}
+
+impl EndpointTable {
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn slot_of(&self, id: &str) -> Option<u16> {
+        self.by_id.get(id).copied()
+    }
+
+    pub fn get(&self, slot: u16) -> Option<&EndpointState> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    pub fn get_mut(&mut self, slot: u16) -> Option<&mut EndpointState> {
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    /// Slots in id order.
+    pub fn order(&self) -> &[u16] {
+        &self.order
+    }
+
+    /// Insert a new endpoint in a free slot accepted by `reusable` (or a fresh one); returns the
+    /// slot. The caller has checked that `spec.id` is new and valid and the limit is not reached.
+    pub fn insert(&mut self, spec: &EndpointSpec, reusable: impl Fn(usize) -> bool) -> u16 {
+        let slot = match (0..self.slots.len()).find(|&s| self.slots[s].is_none() && reusable(s)) {
+            Some(s) => s,
+            None => match (0..self.slots.len()).find(|&s| self.slots[s].is_none()) {
+                // Every free slot still has records of a previous holder awaiting the sweeper
+                // and the table cannot grow: the caller's index collects them on activation.
+                Some(s) if self.slots.len() >= crate::index::MAX_SLOTS => s,
+                _ if self.slots.len() < crate::index::MAX_SLOTS => {
+                    self.slots.push(None);
+                    self.slots.len() - 1
+                }
+                _ => 0,
+            },
+        };
+        self.incarnations = self.incarnations.wrapping_add(1);
+        let id: Arc<str> = Arc::from(spec.id.as_str());
+        self.slots[slot] = Some(EndpointState {
+            id: id.clone(),
+            role: spec.role,
+            healthy: true,
+            metrics: None,
+            inflight: 0,
+            incarnation: self.incarnations,
+        });
+        let slot = slot as u16;
+        self.by_id.insert(id, slot);
+        self.rebuild_order();
+        slot
+    }
+
+    pub fn remove(&mut self, id: &str) -> Option<u16> {
+        let slot = self.by_id.remove(id)?;
+        self.slots[slot as usize] = None;
+        self.rebuild_order();
+        Some(slot)
+    }
+
+    fn rebuild_order(&mut self) {
+        self.order.clear();
+        self.order.extend(self.by_id.values().copied());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_must_be_socket_addresses() {
+        assert!(validate_endpoint_id("10.0.0.1:8000").is_ok());
+        assert!(validate_endpoint_id("[fd00::1]:8000").is_ok());
+        for bad in ["10.0.0.1", "host:80", "10.0.0.1:0", "10.0.0.1:99999", "", "[fd00::1]"] {
+            assert!(matches!(validate_endpoint_id(bad), Err(StateError::InvalidEndpointId { .. })), "{bad}");
+        }
+    }
+
+    #[test]
+    fn order_is_by_id_and_slots_are_reused() {
+        let mut t = EndpointTable::default();
+        let b = t.insert(&EndpointSpec::new("10.0.0.2:1", Role::Decode), |_| true);
+        let a = t.insert(&EndpointSpec::new("10.0.0.1:1", Role::Decode), |_| true);
+        assert_eq!(t.order(), &[a, b]);
+        assert_eq!(t.remove("10.0.0.2:1"), Some(b));
+        let inc_before = t.get(a).unwrap().incarnation;
+        let c = t.insert(&EndpointSpec::new("10.0.0.3:1", Role::Prefill), |_| true);
+        assert_eq!(c, b, "free slot reused");
+        assert_ne!(t.get(c).unwrap().incarnation, inc_before);
+        let d = t.insert(&EndpointSpec::new("10.0.0.4:1", Role::Both), |_| false);
+        assert_eq!(d, 2, "not reusable: fresh slot");
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn metrics_validation() {
+        let m = MetricsSnapshot { kv_usage: 1.5, ..Default::default() };
+        assert!(matches!(m.validate("e"), Err(StateError::InvalidMetrics { field: "kv_usage", .. })));
+        let m = MetricsSnapshot { kv_usage: f64::NAN, ..Default::default() };
+        assert!(m.validate("e").is_err());
+        assert!(MetricsSnapshot::default().validate("e").is_ok());
+    }
+}

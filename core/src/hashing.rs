@@ -1,0 +1,208 @@
+//! Block keys for the approximate (tokenizer-free) prefix index.
+//!
+//! A prompt is cut into fixed-size blocks (`index.block_tokens` pseudo-tokens of
+//! `index.bytes_per_token` bytes for text; `index.block_tokens` ids of 4 bytes little-endian for
+//! token-id prompts); only full blocks count, as in the engines. Keys are chained:
+//!
+//! ```text
+//! seed  = xxh3_64(model ‖ 0xff ‖ salt-flag ‖ cache_salt ‖ kind, index.hash_seed)
+//! key_0 = mix(seed, xxh3_64(block_0)),   key_k = mix(key_{k-1}, xxh3_64(block_k))
+//! mix(p, b) = xxh3_64_with_seed(b as 8 LE bytes, p)
+//! ```
+//!
+//! so a key identifies the whole prefix up to and including its block, within one model and one
+//! tenant (`cache_salt`): two different salts never share a key. Key 0 is reserved (remapped to 1).
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::request::{Prompt, RouteRequest};
+
+/// A 64-bit chained block key.
+pub type BlockKey = u64;
+
+/// Parameters that define approximate block keys (a policy's `index` section).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApproxHashing {
+    /// Pseudo-tokens per block.
+    pub block_tokens: u32,
+    /// Bytes per pseudo-token for text prompts.
+    pub bytes_per_token: u32,
+    /// Seed mixed into every chain.
+    pub hash_seed: u64,
+}
+
+/// The block keys of one request, flattened over its prompt sequences.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestKeys {
+    /// Keys of all full blocks, sequence after sequence.
+    pub keys: Vec<BlockKey>,
+    /// `keys[seq_starts[i]..seq_starts[i+1]]` belong to sequence `i` (last bound is `keys.len()`).
+    pub seq_starts: Vec<u32>,
+    /// A hash of the whole request prompt (partial blocks included), used to break ties
+    /// deterministically between equally scored endpoints.
+    pub anchor: u64,
+    /// Tokens per block (for converting matched blocks into tokens).
+    pub block_tokens: u32,
+}
+
+impl RequestKeys {
+    /// Iterate over the key slices of each prompt sequence.
+    pub fn sequences(&self) -> impl Iterator<Item = &[BlockKey]> + '_ {
+        let n = self.seq_starts.len();
+        (0..n).map(move |i| {
+            let lo = self.seq_starts[i] as usize;
+            let hi = self.seq_starts.get(i + 1).map_or(self.keys.len(), |&h| h as usize);
+            &self.keys[lo..hi]
+        })
+    }
+}
+
+#[inline]
+fn mix(parent: u64, block_hash: u64) -> u64 {
+    match xxh3_64_with_seed(&block_hash.to_le_bytes(), parent) {
+        0 => 1,
+        k => k,
+    }
+}
+
+impl ApproxHashing {
+    /// Bytes in one text block.
+    pub fn block_bytes(&self) -> usize {
+        self.block_tokens as usize * self.bytes_per_token as usize
+    }
+
+    /// The chain seed for a model and tenant.
+    pub fn seed(&self, model: &str, cache_salt: Option<&str>, token_ids: bool) -> u64 {
+        let mut buf = Vec::with_capacity(model.len() + cache_salt.map_or(0, str::len) + 3);
+        buf.extend_from_slice(model.as_bytes());
+        buf.push(0xff);
+        match cache_salt {
+            Some(s) => {
+                buf.push(1);
+                buf.extend_from_slice(s.as_bytes());
+            }
+            None => buf.push(0),
+        }
+        buf.push(if token_ids { b't' } else { b'b' });
+        xxh3_64_with_seed(&buf, self.hash_seed)
+    }
+
+    /// Compute the keys of a request into `out` (cleared first; its buffers are reused).
+    pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) {
+        out.keys.clear();
+        out.seq_starts.clear();
+        out.block_tokens = self.block_tokens;
+        let salt = req.cache_salt.as_deref();
+        let mut anchor = self.hash_seed ^ 0x9e37_79b9_7f4a_7c15;
+        let mut scratch: Vec<u8> = Vec::new();
+        for p in &req.prompts {
+            out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
+            match p {
+                Prompt::Text(bytes) => {
+                    let seed = self.seed(&req.model, salt, false);
+                    self.chain_bytes(seed, bytes, &mut out.keys);
+                    anchor = xxh3_64_with_seed(bytes, anchor ^ seed);
+                }
+                Prompt::Tokens(ids) => {
+                    let seed = self.seed(&req.model, salt, true);
+                    self.chain_tokens(seed, ids, &mut out.keys, &mut scratch);
+                    scratch.clear();
+                    scratch.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
+                    anchor = xxh3_64_with_seed(&scratch, anchor ^ seed);
+                }
+            }
+        }
+        out.anchor = anchor;
+    }
+
+    /// Append the chained keys of the full blocks of `bytes`.
+    pub fn chain_bytes(&self, seed: u64, bytes: &[u8], out: &mut Vec<BlockKey>) {
+        let bs = self.block_bytes();
+        let mut parent = seed;
+        out.reserve(bytes.len() / bs);
+        for block in bytes.chunks_exact(bs) {
+            parent = mix(parent, xxh3_64(block));
+            out.push(parent);
+        }
+    }
+
+    /// Append the chained keys of the full blocks of a token-id sequence.
+    pub fn chain_tokens(&self, seed: u64, ids: &[u32], out: &mut Vec<BlockKey>, scratch: &mut Vec<u8>) {
+        let bt = self.block_tokens as usize;
+        let mut parent = seed;
+        out.reserve(ids.len() / bt);
+        for block in ids.chunks_exact(bt) {
+            scratch.clear();
+            scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
+            parent = mix(parent, xxh3_64(scratch));
+            out.push(parent);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H: ApproxHashing = ApproxHashing { block_tokens: 4, bytes_per_token: 4, hash_seed: 0 };
+
+    fn keys(req: &RouteRequest) -> RequestKeys {
+        let mut k = RequestKeys::default();
+        H.request_keys(req, &mut k);
+        k
+    }
+
+    #[test]
+    fn only_full_blocks_and_chained() {
+        let a = keys(&RouteRequest::text("m", &"x".repeat(16 * 3 + 5)));
+        assert_eq!(a.keys.len(), 3);
+        let b = keys(&RouteRequest::text("m", &format!("{}{}", "x".repeat(16 * 3), "y".repeat(16))));
+        assert_eq!(&b.keys[..3], &a.keys[..], "shared prefix, shared keys");
+        assert_eq!(b.keys.len(), 4);
+        // Identical block content at a different position gets a different key (chaining).
+        assert_ne!(a.keys[0], a.keys[1]);
+        let c = keys(&RouteRequest::text("m", &format!("{}{}", "z".repeat(16), "x".repeat(32))));
+        assert_ne!(c.keys[1], a.keys[1]);
+    }
+
+    #[test]
+    fn model_and_salt_separate_keys() {
+        let p = "p".repeat(64);
+        let base = keys(&RouteRequest::text("m", &p));
+        let other_model = keys(&RouteRequest::text("m2", &p));
+        let mut salted = RouteRequest::text("m", &p);
+        salted.cache_salt = Some("tenant-a".into());
+        let salted_a = keys(&salted);
+        salted.cache_salt = Some("tenant-b".into());
+        let salted_b = keys(&salted);
+        for (i, k) in base.keys.iter().enumerate() {
+            assert_ne!(*k, other_model.keys[i]);
+            assert_ne!(*k, salted_a.keys[i]);
+            assert_ne!(salted_a.keys[i], salted_b.keys[i]);
+        }
+        // Empty salt is not the same as no salt.
+        salted.cache_salt = Some(String::new());
+        assert_ne!(keys(&salted).keys[0], base.keys[0]);
+    }
+
+    #[test]
+    fn token_prompts_and_batches() {
+        let mut r = RouteRequest::text("m", "");
+        r.prompts = vec![Prompt::Tokens((0..9).collect()), Prompt::Tokens((0..4).collect())];
+        let k = keys(&r);
+        assert_eq!(k.keys.len(), 3);
+        assert_eq!(k.seq_starts, vec![0, 2]);
+        let seqs: Vec<&[u64]> = k.sequences().collect();
+        assert_eq!(seqs.len(), 2);
+        assert_eq!(seqs[1][0], seqs[0][0], "same first block, same key");
+        assert!(k.keys.iter().all(|&k| k != 0));
+    }
+
+    #[test]
+    fn anchor_covers_partial_blocks() {
+        let a = keys(&RouteRequest::text("m", "short-a"));
+        let b = keys(&RouteRequest::text("m", "short-b"));
+        assert!(a.keys.is_empty() && b.keys.is_empty());
+        assert_ne!(a.anchor, b.anchor);
+    }
+}

@@ -1,0 +1,549 @@
+//! The approximate prefix index: which endpoint was *assumed* (by our own routing) to hold which
+//! block, with a per-endpoint capacity and LRU-style eviction.
+//!
+//! # Structure
+//! One [`PostingTable`] maps a block key to the set of endpoints assumed to hold it. Each
+//! (block, endpoint) membership is a 31-bit record: the endpoint's slot (12 bits) and a
+//! generation stamp (19 bits).
+//!
+//! # Eviction: generational LRU
+//! Each endpoint has a capacity `cap` (memberships, from the byte budget) and a generation counter.
+//! Touching a block stamps the membership with the endpoint's current generation; once
+//! `cap / 16` memberships carry the current generation, the generation advances and the oldest of
+//! the 16 live generations dies as a whole. A record is live iff its stamp is within the last 16
+//! generations of its endpoint, so eviction is O(1) and never scans. The guarantee (tested): the
+//! most recently touched `15/16 · cap` distinct blocks of an endpoint are always present, and an
+//! endpoint never holds more than `cap` live memberships.
+//!
+//! Blocks of one request are touched tail-first, so a request's head blocks are never older than
+//! its tail blocks and eviction trims prefixes from the end, as engines do.
+//!
+//! Dead records are reclaimed by an incremental sweeper that walks the table a bounded number of
+//! buckets: four per new membership (so dead records stay a bounded fraction of the table) plus
+//! `buckets / 2048 + 1` per generation advance, so a whole pass completes within 2048 advances —
+//! far inside the 2^19-generation stamp window, which makes stamp wrap-around impossible to
+//! observe.
+//!
+//! # Memory
+//! A key with one holder costs one 12-byte bucket (at load ≤ 7/8); each further holder costs 4
+//! bytes in a size-classed arena chunk. See `memory_bytes` and the `index_memory` test for
+//! measured bytes per membership.
+
+use super::table::PostingTable;
+use crate::hashing::{BlockKey, RequestKeys};
+
+/// Generations per endpoint (eviction granularity is `1/GENERATIONS` of the capacity).
+pub const GENERATIONS: u32 = 16;
+const STAMP_BITS: u32 = 19;
+const STAMP_MASK: u32 = (1 << STAMP_BITS) - 1;
+/// Largest slot number a record can carry.
+pub const MAX_SLOTS: usize = 1 << 12;
+const SWEEP_DIVISOR: usize = 2048;
+const SWEEP_PER_BIRTH: usize = 4;
+
+#[derive(Clone, Debug)]
+struct SlotState {
+    active: bool,
+    /// Completed sweep passes when the slot was retired (`None`: never retired since last use).
+    retired_at: Option<u64>,
+    gen: u32,
+    counts: [u32; GENERATIONS as usize],
+    live: u32,
+    cap: u32,
+    per_gen: u32,
+}
+
+impl SlotState {
+    fn new(cap: u32) -> Self {
+        SlotState {
+            active: false,
+            retired_at: None,
+            gen: 0,
+            counts: [0; GENERATIONS as usize],
+            live: 0,
+            cap,
+            per_gen: (cap / GENERATIONS).max(1),
+        }
+    }
+}
+
+/// Reusable buffers for [`ApproxIndex::match_blocks`].
+#[derive(Debug, Default, Clone)]
+pub struct MatchScratch {
+    alive: Vec<u16>,
+    seen: Vec<u32>,
+    epoch: u32,
+}
+
+/// Size and memory figures of an index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct IndexStats {
+    /// Live (block, endpoint) memberships.
+    pub memberships: u64,
+    /// Distinct keys stored (live or awaiting the sweeper).
+    pub keys: u64,
+    /// Heap bytes held by the index.
+    pub memory_bytes: u64,
+}
+
+/// Approximate prefix index. Slots are the endpoint table's slot numbers.
+pub struct ApproxIndex {
+    table: PostingTable,
+    slots: Vec<SlotState>,
+    fingerprint: u64,
+    cap: u32,
+    cursor: usize,
+    sweep_debt: usize,
+    passes: u64,
+}
+
+#[inline]
+fn rec_slot(rec: u32) -> usize {
+    (rec >> STAMP_BITS) as usize
+}
+
+#[inline]
+fn is_live(slots: &[SlotState], rec: u32) -> bool {
+    match slots.get(rec_slot(rec)) {
+        Some(s) => s.active && (s.gen.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS,
+        None => false,
+    }
+}
+
+impl ApproxIndex {
+    /// An empty index whose keys were made under `fingerprint`, with `cap` memberships per endpoint.
+    pub fn new(fingerprint: u64, cap: u32) -> Self {
+        ApproxIndex {
+            table: PostingTable::new(),
+            slots: Vec::new(),
+            fingerprint,
+            cap: cap.max(1),
+            cursor: 0,
+            sweep_debt: 0,
+            passes: 0,
+        }
+    }
+
+    /// The hashing fingerprint the stored keys were made under.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Drop every entry and adopt a new hashing fingerprint (keys made under another fingerprint
+    /// can never match again). Endpoint slots stay active.
+    pub fn reset(&mut self, fingerprint: u64) {
+        self.table.clear();
+        self.fingerprint = fingerprint;
+        self.cursor = 0;
+        self.sweep_debt = 0;
+        // Every stale record is gone: retired slots become reusable at once.
+        self.passes += 2;
+        for s in &mut self.slots {
+            s.counts = [0; GENERATIONS as usize];
+            s.live = 0;
+        }
+    }
+
+    /// Change the per-endpoint capacity; endpoints over it lose their oldest generations now.
+    pub fn set_capacity(&mut self, cap: u32) {
+        self.cap = cap.max(1);
+        for slot in 0..self.slots.len() {
+            let s = &mut self.slots[slot];
+            s.cap = self.cap;
+            s.per_gen = (self.cap / GENERATIONS).max(1);
+            if s.active {
+                let mut guard = 0;
+                while self.slots[slot].live > self.cap && guard < GENERATIONS {
+                    self.advance(slot);
+                    guard += 1;
+                }
+            }
+        }
+        self.run_sweeper();
+    }
+
+    /// Whether `slot` may be given to a new endpoint (no record of a previous holder survives).
+    pub fn slot_reusable(&self, slot: usize) -> bool {
+        match self.slots.get(slot) {
+            None => true,
+            Some(s) => !s.active && s.retired_at.is_none_or(|r| self.passes >= r + 2),
+        }
+    }
+
+    /// Start tracking `slot` (a new endpoint). The slot must be reusable.
+    pub fn activate(&mut self, slot: usize) {
+        debug_assert!(slot < MAX_SLOTS);
+        if slot >= self.slots.len() {
+            self.slots.resize(slot + 1, SlotState::new(self.cap));
+        }
+        if !self.slot_reusable(slot) {
+            // Make it reusable now: a full synchronous garbage collection.
+            self.collect_all();
+        }
+        let s = &mut self.slots[slot];
+        let gen = s.gen;
+        *s = SlotState::new(self.cap);
+        s.gen = gen;
+        s.active = true;
+    }
+
+    /// Stop tracking `slot` (endpoint removed): all its memberships die at once; the sweeper
+    /// reclaims their memory.
+    pub fn retire(&mut self, slot: usize) {
+        let passes = self.passes;
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.active = false;
+            s.live = 0;
+            s.counts = [0; GENERATIONS as usize];
+            s.retired_at = Some(passes);
+            // Reclaim at the same pace as a full turnover of the slot's generations.
+            self.sweep_debt += (self.table.capacity() / SWEEP_DIVISOR + 1) * GENERATIONS as usize;
+        }
+    }
+
+    /// Synchronously drop every dead record.
+    pub fn collect_all(&mut self) {
+        let slots = &self.slots;
+        self.table.compact(|r| is_live(slots, r));
+        self.cursor = 0;
+        self.sweep_debt = 0;
+        self.passes += 2;
+    }
+
+    fn advance(&mut self, slot: usize) {
+        let s = &mut self.slots[slot];
+        s.gen = s.gen.wrapping_add(1);
+        let idx = (s.gen % GENERATIONS) as usize;
+        s.live -= s.counts[idx];
+        s.counts[idx] = 0;
+        self.sweep_debt += self.table.capacity() / SWEEP_DIVISOR + 1;
+    }
+
+    fn run_sweeper(&mut self) {
+        let mut budget = std::mem::take(&mut self.sweep_debt);
+        while budget > 0 {
+            if self.cursor >= self.table.capacity() {
+                self.cursor = 0;
+                self.passes += 1;
+                self.table.maybe_shrink();
+            }
+            let slots = &self.slots;
+            if !self.table.retain_at(self.cursor, |r| is_live(slots, r)) {
+                self.cursor += 1;
+            }
+            budget -= 1;
+        }
+    }
+
+    /// Record that `slot` now holds every block in `keys` (touched tail-first).
+    pub fn observe(&mut self, keys: &[BlockKey], slot: usize) {
+        if !self.slots.get(slot).is_some_and(|s| s.active) {
+            return;
+        }
+        for &key in keys.iter().rev() {
+            self.touch(key, slot);
+        }
+        self.run_sweeper();
+    }
+
+    fn touch(&mut self, key: BlockKey, slot: usize) {
+        let stamp = self.slots[slot].gen & STAMP_MASK;
+        let rec = ((slot as u32) << STAMP_BITS) | stamp;
+        let old = self.table.upsert(key, |r| rec_slot(r) == slot, rec);
+        let was_live = old.is_some_and(|o| is_live(&self.slots, o));
+        let s = &mut self.slots[slot];
+        let cur = (s.gen % GENERATIONS) as usize;
+        match old {
+            Some(o) if was_live => {
+                let prev = ((o & STAMP_MASK) % GENERATIONS) as usize;
+                if prev != cur {
+                    s.counts[prev] -= 1;
+                    s.counts[cur] += 1;
+                }
+            }
+            _ => {
+                s.counts[cur] += 1;
+                s.live += 1;
+                // Every new membership eventually dies: sweep four buckets per birth so a full
+                // pass completes within capacity/4 births and dead records stay a bounded
+                // fraction of the table.
+                self.sweep_debt += SWEEP_PER_BIRTH;
+            }
+        }
+        if s.counts[cur] >= s.per_gen {
+            self.advance(slot);
+        }
+    }
+
+    /// For each slot, add to `out[slot]` the number of blocks of the longest consecutive prefix of
+    /// each prompt sequence it holds. `out` is resized to cover every slot.
+    pub fn match_blocks(&self, keys: &RequestKeys, out: &mut Vec<u32>, scratch: &mut MatchScratch) {
+        out.clear();
+        out.resize(self.slots.len(), 0);
+        if scratch.seen.len() < self.slots.len() {
+            scratch.seen.resize(self.slots.len(), 0);
+        }
+        for seq in keys.sequences() {
+            self.match_sequence(seq, out, scratch);
+        }
+    }
+
+    fn match_sequence(&self, seq: &[BlockKey], out: &mut [u32], scratch: &mut MatchScratch) {
+        let Some((&first, rest)) = seq.split_first() else { return };
+        let slots = &self.slots;
+        scratch.alive.clear();
+        for &r in self.table.records(first) {
+            if is_live(slots, r) {
+                let s = rec_slot(r);
+                scratch.alive.push(s as u16);
+                out[s] += 1;
+            }
+        }
+        for &key in rest {
+            if scratch.alive.is_empty() {
+                break;
+            }
+            let recs = self.table.records(key);
+            if recs.is_empty() {
+                break;
+            }
+            if scratch.alive.len() == 1 {
+                let s = scratch.alive[0] as usize;
+                if recs.iter().any(|&r| rec_slot(r) == s && is_live(slots, r)) {
+                    out[s] += 1;
+                    continue;
+                }
+                break;
+            }
+            scratch.epoch = scratch.epoch.wrapping_add(1);
+            if scratch.epoch == 0 {
+                scratch.seen.iter_mut().for_each(|e| *e = 0);
+                scratch.epoch = 1;
+            }
+            let epoch = scratch.epoch;
+            for &r in recs {
+                if is_live(slots, r) {
+                    scratch.seen[rec_slot(r)] = epoch;
+                }
+            }
+            let seen = &scratch.seen;
+            scratch.alive.retain(|&s| seen[s as usize] == epoch);
+            for &s in &scratch.alive {
+                out[s as usize] += 1;
+            }
+        }
+    }
+
+    /// Whether `slot` holds `key` (live).
+    pub fn contains(&self, key: BlockKey, slot: usize) -> bool {
+        self.table.records(key).iter().any(|&r| rec_slot(r) == slot && is_live(&self.slots, r))
+    }
+
+    /// Live memberships of `slot`.
+    pub fn memberships_of(&self, slot: usize) -> u32 {
+        self.slots.get(slot).filter(|s| s.active).map_or(0, |s| s.live)
+    }
+
+    /// Size and memory figures.
+    pub fn stats(&self) -> IndexStats {
+        let memberships = self.slots.iter().filter(|s| s.active).map(|s| u64::from(s.live)).sum();
+        let memory = self.table.memory_bytes() + self.slots.capacity() * std::mem::size_of::<SlotState>();
+        IndexStats { memberships, keys: self.table.len() as u64, memory_bytes: memory as u64 }
+    }
+
+    /// Completed sweep passes (diagnostics and tests).
+    pub fn sweep_passes(&self) -> u64 {
+        self.passes
+    }
+
+    #[cfg(test)]
+    pub(crate) fn stored_records(&self) -> u64 {
+        self.table.iter().map(|(_, r)| r.len() as u64).sum()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn live_records_in_table(&self, slot: usize) -> u64 {
+        self.table
+            .iter()
+            .map(|(_, recs)| recs.iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn rk(seqs: &[&[u64]]) -> RequestKeys {
+        let mut k = RequestKeys { block_tokens: 1, ..Default::default() };
+        for s in seqs {
+            k.seq_starts.push(k.keys.len() as u32);
+            k.keys.extend_from_slice(s);
+        }
+        k
+    }
+
+    fn matches(ix: &ApproxIndex, seqs: &[&[u64]]) -> Vec<u32> {
+        let mut out = Vec::new();
+        ix.match_blocks(&rk(seqs), &mut out, &mut MatchScratch::default());
+        out
+    }
+
+    #[test]
+    fn longest_consecutive_prefix_per_endpoint() {
+        let mut ix = ApproxIndex::new(0, 1 << 16);
+        for s in 0..3 {
+            ix.activate(s);
+        }
+        ix.observe(&[1, 2, 3, 4], 0);
+        ix.observe(&[1, 2], 1);
+        ix.observe(&[1, 2, 3, 4], 2);
+        ix.observe(&[9], 2);
+        assert_eq!(matches(&ix, &[&[1, 2, 3, 4, 5]]), vec![4, 2, 4]);
+        // Endpoint 2 loses block 3 (simulated): it scores at most 2 blocks although it has 4.
+        ix.table.retain_key(3, |r| rec_slot(r) != 2);
+        assert!(ix.contains(4, 2));
+        assert_eq!(matches(&ix, &[&[1, 2, 3, 4]]), vec![4, 2, 2]);
+        // Batches add up per sequence.
+        assert_eq!(matches(&ix, &[&[1, 2], &[1, 7]]), vec![3, 3, 3]);
+        assert_eq!(matches(&ix, &[&[8, 1, 2]]), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn retire_purges_and_slot_reuse_waits_for_the_sweeper() {
+        let mut ix = ApproxIndex::new(0, 1 << 10);
+        ix.activate(0);
+        ix.activate(1);
+        let keys: Vec<u64> = (1..=500).collect();
+        ix.observe(&keys, 0);
+        ix.observe(&keys, 1);
+        ix.retire(0);
+        assert_eq!(matches(&ix, &[&keys])[..2], [0, 500]);
+        assert_eq!(ix.memberships_of(0), 0);
+        assert!(!ix.slot_reusable(0));
+        // Reactivating forces a collection: the old holder's records must not resurface.
+        ix.activate(0);
+        assert_eq!(ix.live_records_in_table(0), 0);
+        assert_eq!(matches(&ix, &[&keys])[..2], [0, 500]);
+        assert_eq!(ix.stored_records(), 500);
+    }
+
+    #[test]
+    fn capacity_is_never_exceeded_and_recent_blocks_survive() {
+        let cap = 1600;
+        let mut ix = ApproxIndex::new(0, cap);
+        ix.activate(0);
+        ix.activate(1);
+        let per_gen = cap / GENERATIONS;
+        let guaranteed = (per_gen * (GENERATIONS - 1)) as u64;
+        for i in 0..20_000u64 {
+            ix.observe(&[i * 2 + 1], 0);
+            ix.observe(&[i * 2 + 2], 1);
+            assert!(ix.memberships_of(0) <= cap);
+            if i >= guaranteed {
+                for back in [0, guaranteed / 2, guaranteed - 1] {
+                    assert!(ix.contains((i - back) * 2 + 1, 0), "block {back} touches ago must survive");
+                }
+            }
+        }
+        // The sweeper keeps stored records close to the live ones.
+        let live = u64::from(ix.memberships_of(0) + ix.memberships_of(1));
+        assert_eq!(ix.live_records_in_table(0) + ix.live_records_in_table(1), live);
+        assert!(ix.stored_records() * 2 <= live * 3, "stored {} live {live}", ix.stored_records());
+        assert!(ix.sweep_passes() > 0);
+    }
+
+    #[test]
+    fn touching_refreshes_recency() {
+        let cap = 320;
+        let mut ix = ApproxIndex::new(0, cap);
+        ix.activate(0);
+        ix.observe(&[1_000_000], 0);
+        for i in 1..10_000u64 {
+            ix.observe(&[i], 0);
+            if i % 100 == 0 {
+                ix.observe(&[1_000_000], 0);
+            }
+        }
+        assert!(ix.contains(1_000_000, 0), "a block touched often stays");
+        assert!(!ix.contains(1, 0), "an old block is gone");
+    }
+
+    #[test]
+    fn eviction_trims_from_the_tail_of_a_request() {
+        let cap = 64 * GENERATIONS;
+        let mut ix = ApproxIndex::new(0, cap);
+        ix.activate(0);
+        let chain: Vec<u64> = (1..=100).collect();
+        ix.observe(&chain, 0);
+        // Push enough other blocks to kill some but not all of the chain's generations.
+        let mut filler = 10_000u64;
+        while ix.contains(100, 0) {
+            ix.observe(&[filler], 0);
+            filler += 1;
+        }
+        let m = matches(&ix, &[&chain])[0];
+        let present = chain.iter().filter(|&&k| ix.contains(k, 0)).count() as u32;
+        assert_eq!(m, present, "what survives is a prefix");
+        assert!(m > 0 && m < 100);
+    }
+
+    #[test]
+    fn shrinking_capacity_evicts_now() {
+        let mut ix = ApproxIndex::new(0, 1 << 12);
+        ix.activate(0);
+        let keys: Vec<u64> = (1..=4000).collect();
+        ix.observe(&keys, 0);
+        assert_eq!(ix.memberships_of(0), 4000);
+        ix.set_capacity(1000);
+        assert!(ix.memberships_of(0) <= 1000);
+        assert!(ix.contains(1, 0), "head blocks are the newest (tail-first touch)");
+    }
+
+    #[test]
+    fn reset_forgets_everything() {
+        let mut ix = ApproxIndex::new(1, 1 << 12);
+        ix.activate(0);
+        ix.observe(&[1, 2, 3], 0);
+        ix.reset(2);
+        assert_eq!(ix.fingerprint(), 2);
+        assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![0]);
+        assert_eq!(ix.stats().memberships, 0);
+        ix.observe(&[1], 0);
+        assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![1]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Invariants under random operation sequences: match results equal a naive computation
+        /// from `contains`; live counts equal records found; capacity holds.
+        #[test]
+        fn invariants_hold(ops in proptest::collection::vec((0u8..10, 0usize..6, 1u64..40, 1usize..12), 1..300)) {
+            let cap = 128;
+            let mut ix = ApproxIndex::new(0, cap);
+            let mut active = [false; 6];
+            for (op, slot, start, len) in ops {
+                match op {
+                    0 => { if active[slot] { ix.retire(slot); active[slot] = false; } }
+                    1 => { if !active[slot] { ix.activate(slot); active[slot] = true; } }
+                    _ => {
+                        if !active[slot] { ix.activate(slot); active[slot] = true; }
+                        let keys: Vec<u64> = (start..start + len as u64).collect();
+                        ix.observe(&keys, slot);
+                    }
+                }
+                let probe: Vec<u64> = (1..30).collect();
+                let got = matches(&ix, &[&probe]);
+                for s in 0..6 {
+                    let naive = probe.iter().take_while(|&&k| ix.contains(k, s)).count() as u32;
+                    prop_assert_eq!(got.get(s).copied().unwrap_or(0), naive);
+                    prop_assert!(ix.memberships_of(s) <= cap);
+                    prop_assert_eq!(u64::from(ix.memberships_of(s)), ix.live_records_in_table(s));
+                    if !active[s] { prop_assert_eq!(ix.memberships_of(s), 0); }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! # kvroute
+//!
+//! KV-cache-aware routing for LLM serving. For each inference request, kvroute picks the
+//! endpoint(s) and the serving mode:
+//!
+//! - **decode-direct**: a decode endpoint already holds the prompt's KV cache, skip prefill;
+//! - **colocated**: one endpoint runs prefill and decode (short requests, or when shipping the KV
+//!   cache would not pay);
+//! - **disaggregated**: a prefill endpoint computes the KV cache and ships it to a decode endpoint.
+//!
+//! The whole decision is pure Rust with no clock, threads or I/O: time is a parameter. The same
+//! code runs natively, in the Envoy wasm filter, under Python and behind the C ABI.
+//!
+//! ```
+//! use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router};
+//!
+//! let router = Router::new(Policy::from_json(r#"{"modes": {"colocated_input_max_tokens": 256}}"#)?);
+//! router.upsert_endpoint(EndpointSpec::new("10.0.0.1:8000", Role::Decode))?;
+//! router.upsert_endpoint(EndpointSpec::new("10.0.0.2:8000", Role::Decode))?;
+//! router.update_metrics("10.0.0.1:8000", MetricsSnapshot { waiting: 0, kv_usage: 0.2, updated_ms: 1_000, ..Default::default() })?;
+//! router.update_metrics("10.0.0.2:8000", MetricsSnapshot { waiting: 1, kv_usage: 0.3, updated_ms: 1_000, ..Default::default() })?;
+//!
+//! let system = "You are a helpful assistant. ".repeat(200);
+//! let body = serde_json::json!({
+//!     "model": "llama",
+//!     "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+//!     "max_tokens": 64,
+//! });
+//! let first = router.route_http(body.to_string().as_bytes(), [("x-request-id", "r1")], 1_000)?;
+//! router.complete(&first.request_id)?;
+//! // The same prompt again: the endpoint that served it is assumed to hold its KV cache.
+//! let again = router.route_http(body.to_string().as_bytes(), [("x-request-id", "r2")], 1_010)?;
+//! assert_eq!(again.endpoint, first.endpoint);
+//! assert_eq!(again.mode, Some(kvroute::Mode::DecodeDirect));
+//! assert_eq!(again.header("x-kvroute-mode"), Some("decode-direct"));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! See `Router` for state handling and hot reload, `config` for every policy knob, and
+//! `decision` for the rules.
+
+pub mod admission;
+pub mod config;
+pub mod decision;
+pub mod endpoints;
+pub mod error;
+pub mod hashing;
+pub mod index;
+pub mod request;
+pub mod router;
+pub mod score;
+
+pub use config::{Policy, PolicyConfig};
+pub use decision::{Decision, Judgment, JudgmentSource, Mode, Rule, Shed, TransferEstimate};
+pub use endpoints::{EndpointSpec, MetricsSnapshot, Role};
+pub use error::{ConfigError, RequestError, RouteError, StateError};
+pub use hashing::{ApproxHashing, BlockKey, RequestKeys};
+pub use index::{ApproxIndex, IndexStats};
+pub use request::{Api, Horizon, JudgmentHint, Prompt, RouteRequest};
+pub use router::{ActivePolicy, EndpointInfo, Router, RouterCounters, RouterStats};
+pub use score::{EndpointScore, FilterReason};

@@ -1,0 +1,770 @@
+//! Request parsing: OpenAI `/v1/completions` and `/v1/chat/completions` bodies plus headers →
+//! [`RouteRequest`].
+//!
+//! Chat requests are rendered (without a tokenizer) into a canonical byte string: optional `tools`
+//! (canonical JSON), then every message as `\x01 role [\x1f name] \x02 content [\x1f tool data] \x03`.
+//! A conversation that grows by appending messages therefore grows its rendering by appending
+//! bytes, which is what prefix matching needs.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use crate::config::RequestConfig;
+use crate::error::RequestError;
+
+/// Which OpenAI API the body belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    ChatCompletions,
+}
+
+/// One prompt sequence as the router sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Prompt bytes (a text prompt, or a rendered chat conversation).
+    Text(Vec<u8>),
+    /// Token ids supplied by the client.
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// Input length in tokens: token count, or `ceil(bytes / bytes_per_token)` for text.
+    pub fn tokens(&self, bytes_per_token: u32) -> u64 {
+        match self {
+            Prompt::Text(b) => (b.len() as u64).div_ceil(u64::from(bytes_per_token.max(1))),
+            Prompt::Tokens(t) => t.len() as u64,
+        }
+    }
+}
+
+/// Generation horizon of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Horizon {
+    /// Short output.
+    Short,
+    /// Medium output.
+    Medium,
+    /// Long or unbounded output.
+    Long,
+}
+
+impl Horizon {
+    /// Lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Horizon::Short => "short",
+            Horizon::Medium => "medium",
+            Horizon::Long => "long",
+        }
+    }
+}
+
+/// Optional judgment from an external classifier (e.g. a fast non-generative judge in front of
+/// the router). Each field given overrides the one the core would derive.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct JudgmentHint {
+    /// Generation horizon.
+    pub horizon: Option<Horizon>,
+    /// Memory-pressure risk 0–3.
+    pub risk: Option<u8>,
+    /// Probability (0–1) that bypassing the prefill pool is right.
+    pub bypass_probability: Option<f64>,
+}
+
+/// A parsed inference request: everything routing needs, nothing else.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteRequest {
+    /// The API.
+    pub api: Api,
+    /// Requested model name.
+    pub model: String,
+    /// LoRA adapter the model name maps to (config `request.lora_adapters`).
+    pub lora_adapter: Option<String>,
+    /// Tenant isolation salt (`cache_salt` in the body).
+    pub cache_salt: Option<String>,
+    /// `max_completion_tokens` or `max_tokens`.
+    pub max_tokens: Option<u32>,
+    /// Streaming requested.
+    pub stream: bool,
+    /// Caller-supplied request id (header `request.request_id_header`).
+    pub request_id: Option<String>,
+    /// Session id (header `request.session_header`).
+    pub session_id: Option<String>,
+    /// Fairness id (header `request.fairness_header`).
+    pub fairness_id: Option<String>,
+    /// Priority (header `request.priority_header`, default 0, negative = sheddable).
+    pub priority: i32,
+    /// Judgment hint headers.
+    pub hint: JudgmentHint,
+    /// Prompt sequences (several for a batched completions request).
+    pub prompts: Vec<Prompt>,
+}
+
+impl RouteRequest {
+    /// A completions request for one text prompt with default everything else (handy in tests).
+    pub fn text(model: &str, prompt: &str) -> RouteRequest {
+        RouteRequest {
+            api: Api::Completions,
+            model: model.to_owned(),
+            lora_adapter: None,
+            cache_salt: None,
+            max_tokens: None,
+            stream: false,
+            request_id: None,
+            session_id: None,
+            fairness_id: None,
+            priority: 0,
+            hint: JudgmentHint::default(),
+            prompts: vec![Prompt::Text(prompt.as_bytes().to_vec())],
+        }
+    }
+
+    /// Total input tokens over all prompt sequences.
+    pub fn input_tokens(&self, bytes_per_token: u32) -> u64 {
+        self.prompts.iter().map(|p| p.tokens(bytes_per_token)).sum()
+    }
+
+    /// The output-token budget: `max_tokens` if given, else the API default (16 for completions,
+    /// unbounded = `None` for chat).
+    pub fn effective_max_tokens(&self) -> Option<u32> {
+        match (self.max_tokens, self.api) {
+            (Some(m), _) => Some(m),
+            (None, Api::Completions) => Some(16),
+            (None, Api::ChatCompletions) => None,
+        }
+    }
+
+    /// Parse an HTTP request body and its headers. Header names are matched case-insensitively;
+    /// when a header repeats, the first occurrence wins. A `:path` pseudo-header, when present,
+    /// selects the API; otherwise `messages` means chat and `prompt` means completions.
+    pub fn parse<K, V>(
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        cfg: &RequestConfig,
+    ) -> Result<RouteRequest, RequestError>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        if body.len() > cfg.max_body_bytes {
+            return Err(RequestError::BodyTooLarge { size: body.len(), limit: cfg.max_body_bytes });
+        }
+        let h = HeaderValues::collect(headers, cfg)?;
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Err(RequestError::EmptyBody);
+        }
+        let raw = parse_body(body)?;
+        let api = match (h.path_api, &raw.messages, &raw.prompt) {
+            (Some(api), _, _) => api,
+            (None, Some(_), None) => Api::ChatCompletions,
+            (None, None, Some(_)) => Api::Completions,
+            (None, Some(_), Some(_)) => {
+                return Err(RequestError::field("messages", "a body may carry `messages` or `prompt`, not both"))
+            }
+            (None, None, None) => {
+                return Err(RequestError::field(
+                    "prompt",
+                    "missing: a completions body needs `prompt`, a chat body `messages`",
+                ))
+            }
+        };
+        let model = match raw.model {
+            Some(m) if !m.is_empty() => m,
+            Some(_) => return Err(RequestError::field("model", "must not be empty")),
+            None => return Err(RequestError::field("model", "missing")),
+        };
+        let prompts = match api {
+            Api::Completions => match raw.prompt {
+                Some(p) => p.0,
+                None => return Err(RequestError::field("prompt", "missing (required for /v1/completions)")),
+            },
+            Api::ChatCompletions => match raw.messages {
+                Some(msgs) if msgs.is_empty() => return Err(RequestError::field("messages", "must not be empty")),
+                Some(msgs) => vec![Prompt::Text(render_chat(&msgs, raw.tools.as_ref()))],
+                None => return Err(RequestError::field("messages", "missing (required for /v1/chat/completions)")),
+            },
+        };
+        let max_tokens = raw.max_completion_tokens.or(raw.max_tokens).map(|m| u32::try_from(m).unwrap_or(u32::MAX));
+        Ok(RouteRequest {
+            api,
+            lora_adapter: cfg.lora_adapters.get(&model).cloned(),
+            model,
+            cache_salt: raw.cache_salt,
+            max_tokens,
+            stream: raw.stream.unwrap_or(false),
+            request_id: h.request_id,
+            session_id: h.session_id,
+            fairness_id: h.fairness_id,
+            priority: h.priority,
+            hint: h.hint,
+            prompts,
+        })
+    }
+}
+
+#[derive(Default)]
+struct HeaderValues {
+    path_api: Option<Api>,
+    request_id: Option<String>,
+    session_id: Option<String>,
+    fairness_id: Option<String>,
+    priority: i32,
+    hint: JudgmentHint,
+}
+
+impl HeaderValues {
+    fn collect<K: AsRef<str>, V: AsRef<str>>(
+        headers: impl IntoIterator<Item = (K, V)>,
+        cfg: &RequestConfig,
+    ) -> Result<HeaderValues, RequestError> {
+        let mut out = HeaderValues::default();
+        let (mut seen_path, mut seen_prio, mut seen_h, mut seen_r, mut seen_b) = (false, false, false, false, false);
+        for (k, v) in headers {
+            let (k, v) = (k.as_ref(), v.as_ref().trim());
+            let bad = |reason: &str| RequestError::Header {
+                header: k.to_ascii_lowercase(),
+                value: v.chars().take(128).collect(),
+                reason: reason.to_owned(),
+            };
+            if k == ":path" {
+                if !std::mem::replace(&mut seen_path, true) {
+                    let path = v.split('?').next().unwrap_or("");
+                    out.path_api = if path.ends_with("/chat/completions") {
+                        Some(Api::ChatCompletions)
+                    } else if path.ends_with("/completions") {
+                        Some(Api::Completions)
+                    } else {
+                        return Err(bad("only /v1/completions and /v1/chat/completions can be routed"));
+                    };
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.request_id_header) {
+                if out.request_id.is_none() && !v.is_empty() {
+                    out.request_id = Some(v.to_owned());
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.session_header) {
+                if out.session_id.is_none() && !v.is_empty() {
+                    out.session_id = Some(v.to_owned());
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.fairness_header) {
+                if out.fairness_id.is_none() && !v.is_empty() {
+                    out.fairness_id = Some(v.to_owned());
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.priority_header) {
+                if !std::mem::replace(&mut seen_prio, true) {
+                    out.priority = v.parse().map_err(|_| bad("must be an integer (negative = sheddable)"))?;
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.horizon_header) {
+                if !std::mem::replace(&mut seen_h, true) {
+                    out.hint.horizon = Some(match v.to_ascii_lowercase().as_str() {
+                        "short" => Horizon::Short,
+                        "medium" => Horizon::Medium,
+                        "long" => Horizon::Long,
+                        _ => return Err(bad("must be short, medium or long")),
+                    });
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.risk_header) {
+                if !std::mem::replace(&mut seen_r, true) {
+                    match v.parse::<u8>() {
+                        Ok(r) if r <= 3 => out.hint.risk = Some(r),
+                        _ => return Err(bad("must be an integer 0..=3")),
+                    }
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.bypass_probability_header) && !std::mem::replace(&mut seen_b, true) {
+                match v.parse::<f64>() {
+                    Ok(p) if (0.0..=1.0).contains(&p) => out.hint.bypass_probability = Some(p),
+                    _ => return Err(bad("must be a number within [0, 1]")),
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[derive(Deserialize)]
+struct RawBody {
+    model: Option<String>,
+    prompt: Option<RawPrompt>,
+    messages: Option<Vec<ObjectOnly<RawMessage>>>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    cache_salt: Option<String>,
+    stream: Option<bool>,
+    tools: Option<serde_json::Value>,
+}
+
+/// Deserializes `T` only from a JSON object: serde's derived structs also accept arrays of
+/// field values, which an OpenAI body never is.
+struct ObjectOnly<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+            type Value = ObjectOnly<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<ObjectOnly<T>, A::Error> {
+                T::deserialize(de::value::MapAccessDeserializer::new(map)).map(ObjectOnly)
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+#[derive(Deserialize)]
+struct RawMessage {
+    role: String,
+    #[serde(default)]
+    content: RawContent,
+    name: Option<String>,
+    tool_calls: Option<serde_json::Value>,
+    tool_call_id: Option<String>,
+}
+
+fn parse_body(body: &[u8]) -> Result<RawBody, RequestError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let raw: RawBody = match serde_path_to_error::deserialize(&mut de) {
+        Ok(ObjectOnly(raw)) => raw,
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            return Err(json_error(path, inner));
+        }
+    };
+    de.end().map_err(|e| json_error(".".into(), e))?;
+    Ok(raw)
+}
+
+fn json_error(path: String, e: serde_json::Error) -> RequestError {
+    use serde_json::error::Category;
+    match e.classify() {
+        Category::Data => {
+            let field = if path == "." { "body".to_owned() } else { path };
+            // serde_json appends " at line L column C"; the path already says where.
+            let msg = e.to_string();
+            let msg = msg.split(" at line ").next().unwrap_or(&msg).to_owned();
+            RequestError::Field { field, message: msg }
+        }
+        Category::Syntax | Category::Eof | Category::Io => {
+            let msg = e.to_string();
+            let msg = msg.split(" at line ").next().unwrap_or(&msg).to_owned();
+            RequestError::Json { line: e.line(), column: e.column(), message: msg }
+        }
+    }
+}
+
+/// `prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists.
+struct RawPrompt(Vec<Prompt>);
+
+impl<'de> Deserialize<'de> for RawPrompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawPrompt;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, a list of strings, a list of token ids or a list of token-id lists")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawPrompt, E> {
+                Ok(RawPrompt(vec![Prompt::Text(v.as_bytes().to_vec())]))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<RawPrompt, E> {
+                Ok(RawPrompt(vec![Prompt::Text(v.into_bytes())]))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawPrompt, A::Error> {
+                let mut texts: Vec<Prompt> = Vec::new();
+                let mut tokens: Vec<u32> = Vec::new();
+                let mut kind: Option<u8> = None; // 0 = strings, 1 = ids, 2 = id lists
+                while let Some(el) = seq.next_element::<PromptElem>()? {
+                    let k = match &el {
+                        PromptElem::Text(_) => 0,
+                        PromptElem::Id(_) => 1,
+                        PromptElem::Ids(_) => 2,
+                    };
+                    if *kind.get_or_insert(k) != k {
+                        return Err(de::Error::custom(
+                            "mixed element types: use all strings, all token ids, or all token-id lists",
+                        ));
+                    }
+                    match el {
+                        PromptElem::Text(s) => texts.push(Prompt::Text(s.into_bytes())),
+                        PromptElem::Id(t) => tokens.push(t),
+                        PromptElem::Ids(ids) => texts.push(Prompt::Tokens(ids)),
+                    }
+                }
+                match kind {
+                    None => Err(de::Error::custom("must not be an empty list")),
+                    Some(1) => Ok(RawPrompt(vec![Prompt::Tokens(tokens)])),
+                    Some(_) => Ok(RawPrompt(texts)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+enum PromptElem {
+    Text(String),
+    Id(u32),
+    Ids(Vec<u32>),
+}
+
+fn token_id<E: de::Error>(v: u64) -> Result<u32, E> {
+    u32::try_from(v).map_err(|_| E::custom(format!("token id {v} is out of range (0..=4294967295)")))
+}
+
+impl<'de> Deserialize<'de> for PromptElem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PromptElem;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, a token id or a list of token ids")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptElem, E> {
+                Ok(PromptElem::Text(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<PromptElem, E> {
+                Ok(PromptElem::Text(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<PromptElem, E> {
+                token_id(v).map(PromptElem::Id)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<PromptElem, E> {
+                Err(E::custom(format!("token id {v} is negative")))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptElem, A::Error> {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+                while let Some(TokenId(t)) = seq.next_element()? {
+                    ids.push(t);
+                }
+                Ok(PromptElem::Ids(ids))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+struct TokenId(u32);
+
+impl<'de> Deserialize<'de> for TokenId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = TokenId;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a token id (integer 0..=4294967295)")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<TokenId, E> {
+                token_id(v).map(TokenId)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<TokenId, E> {
+                Err(E::custom(format!("token id {v} is negative")))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Message content: absent/null, a string, or an array of content parts.
+#[derive(Default)]
+enum RawContent {
+    #[default]
+    None,
+    Text(String),
+    Parts(Vec<serde_json::Value>),
+}
+
+impl<'de> Deserialize<'de> for RawContent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawContent;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, an array of content parts, or null")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<RawContent, E> {
+                Ok(RawContent::None)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<RawContent, E> {
+                Ok(RawContent::None)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawContent, E> {
+                Ok(RawContent::Text(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<RawContent, E> {
+                Ok(RawContent::Text(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawContent, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element::<serde_json::Value>()? {
+                    match &p {
+                        serde_json::Value::Object(m) => match m.get("type") {
+                            Some(serde_json::Value::String(t)) if t == "text" => {
+                                if !matches!(m.get("text"), Some(serde_json::Value::String(_))) {
+                                    return Err(de::Error::custom(format!(
+                                        "content part {} of type \"text\" needs a string `text`",
+                                        parts.len()
+                                    )));
+                                }
+                            }
+                            Some(serde_json::Value::String(_)) => {}
+                            _ => {
+                                return Err(de::Error::custom(format!(
+                                    "content part {} needs a string `type`",
+                                    parts.len()
+                                )))
+                            }
+                        },
+                        _ => return Err(de::Error::custom(format!("content part {} must be an object", parts.len()))),
+                    }
+                    parts.push(p);
+                }
+                Ok(RawContent::Parts(parts))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::Value>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(
+        msgs.iter()
+            .map(|ObjectOnly(m)| {
+                m.role.len()
+                    + 4
+                    + match &m.content {
+                        RawContent::Text(t) => t.len(),
+                        _ => 64,
+                    }
+            })
+            .sum(),
+    );
+    if let Some(t) = tools {
+        out.extend_from_slice(b"\x01tools\x02");
+        out.extend_from_slice(t.to_string().as_bytes());
+        out.push(0x03);
+    }
+    for ObjectOnly(m) in msgs {
+        out.push(0x01);
+        out.extend_from_slice(m.role.as_bytes());
+        if let Some(n) = &m.name {
+            out.push(0x1f);
+            out.extend_from_slice(n.as_bytes());
+        }
+        out.push(0x02);
+        match &m.content {
+            RawContent::None => {}
+            RawContent::Text(t) => out.extend_from_slice(t.as_bytes()),
+            RawContent::Parts(parts) => {
+                for p in parts {
+                    match p.get("text").and_then(|t| t.as_str()) {
+                        Some(text) if p.get("type").and_then(|t| t.as_str()) == Some("text") => {
+                            out.extend_from_slice(text.as_bytes());
+                        }
+                        _ => {
+                            out.push(0x1e);
+                            out.extend_from_slice(p.to_string().as_bytes());
+                            out.push(0x1e);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(tc) = &m.tool_calls {
+            out.push(0x1f);
+            out.extend_from_slice(tc.to_string().as_bytes());
+        }
+        if let Some(id) = &m.tool_call_id {
+            out.push(0x1f);
+            out.extend_from_slice(id.as_bytes());
+        }
+        out.push(0x03);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: &str, headers: &[(&str, &str)]) -> Result<RouteRequest, RequestError> {
+        RouteRequest::parse(body.as_bytes(), headers.iter().copied(), &RequestConfig::default())
+    }
+
+    #[test]
+    fn completions_string_prompt() {
+        let r = parse(r#"{"model":"m","prompt":"hello world","max_tokens":5,"stream":true}"#, &[]).unwrap();
+        assert_eq!(r.api, Api::Completions);
+        assert_eq!(r.model, "m");
+        assert_eq!(r.prompts, vec![Prompt::Text(b"hello world".to_vec())]);
+        assert_eq!(r.max_tokens, Some(5));
+        assert!(r.stream);
+        assert_eq!(r.input_tokens(4), 3);
+    }
+
+    #[test]
+    fn completions_prompt_forms() {
+        let r = parse(r#"{"model":"m","prompt":["a","bc"]}"#, &[]).unwrap();
+        assert_eq!(r.prompts, vec![Prompt::Text(b"a".to_vec()), Prompt::Text(b"bc".to_vec())]);
+        let r = parse(r#"{"model":"m","prompt":[1,2,4294967295]}"#, &[]).unwrap();
+        assert_eq!(r.prompts, vec![Prompt::Tokens(vec![1, 2, u32::MAX])]);
+        let r = parse(r#"{"model":"m","prompt":[[1,2],[3]]}"#, &[]).unwrap();
+        assert_eq!(r.prompts, vec![Prompt::Tokens(vec![1, 2]), Prompt::Tokens(vec![3])]);
+        assert_eq!(r.input_tokens(4), 3);
+        assert_eq!(r.effective_max_tokens(), Some(16));
+    }
+
+    #[test]
+    fn bad_prompts_name_the_element() {
+        let e = parse(r#"{"model":"m","prompt":[1,-2]}"#, &[]).unwrap_err();
+        assert!(
+            matches!(&e, RequestError::Field { field, message } if field == "prompt[1]" && message.contains("negative")),
+            "{e:?}"
+        );
+        let e = parse(r#"{"model":"m","prompt":[1,"x"]}"#, &[]).unwrap_err();
+        assert!(
+            matches!(&e, RequestError::Field { field, message } if field.starts_with("prompt") && message.contains("mixed")),
+            "{e:?}"
+        );
+        let e = parse(r#"{"model":"m","prompt":[[1,5000000000]]}"#, &[]).unwrap_err();
+        assert!(
+            matches!(&e, RequestError::Field { field, message } if field == "prompt[0][1]" && message.contains("out of range")),
+            "{e:?}"
+        );
+        let e = parse(r#"{"model":"m","prompt":[]}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "prompt"), "{e:?}");
+        let e = parse(r#"{"model":"m","prompt":{"a":1}}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "prompt"), "{e:?}");
+    }
+
+    #[test]
+    fn chat_messages_and_parts() {
+        let a = parse(
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"http://x/y.png"}}]}],"max_completion_tokens":7,"max_tokens":99}"#,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(a.api, Api::ChatCompletions);
+        assert_eq!(a.max_tokens, Some(7), "max_completion_tokens wins");
+        let Prompt::Text(bytes) = &a.prompts[0] else { panic!() };
+        let s = String::from_utf8_lossy(bytes);
+        assert!(s.starts_with("\u{1}system\u{2}be brief\u{3}\u{1}user\u{2}hi\u{1e}"), "{s:?}");
+        assert!(s.contains("http://x/y.png"));
+        assert_eq!(a.effective_max_tokens(), Some(7));
+    }
+
+    #[test]
+    fn chat_rendering_is_append_only() {
+        let t1 =
+            parse(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"}]}"#, &[])
+                .unwrap();
+        let t2 = parse(
+            r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}]}"#,
+            &[],
+        )
+        .unwrap();
+        let (Prompt::Text(a), Prompt::Text(b)) = (&t1.prompts[0], &t2.prompts[0]) else { panic!() };
+        assert!(b.starts_with(a));
+        assert_eq!(t2.effective_max_tokens(), None, "chat without a limit is unbounded");
+    }
+
+    #[test]
+    fn chat_errors_name_the_field() {
+        let e = parse(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "messages[0].content"), "{e:?}");
+        let e = parse(r#"{"model":"m","messages":[{"content":"x"}]}"#, &[]).unwrap_err();
+        assert!(
+            matches!(&e, RequestError::Field { field, message } if field == "messages[0]" && message.contains("role")),
+            "{e:?}"
+        );
+        let e = parse(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text"}]}]}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "messages[0].content"), "{e:?}");
+        let e = parse(r#"{"model":"m","messages":[]}"#, &[]).unwrap_err();
+        assert_eq!(e, RequestError::field("messages", "must not be empty"));
+    }
+
+    #[test]
+    fn body_level_errors() {
+        assert_eq!(parse("", &[]).unwrap_err(), RequestError::EmptyBody);
+        assert!(matches!(parse("{\"model\":", &[]).unwrap_err(), RequestError::Json { line: 1, .. }));
+        assert!(matches!(parse("[1,2]", &[]).unwrap_err(), RequestError::Field { field, .. } if field == "body"));
+        assert!(matches!(parse("{} {}", &[]).unwrap_err(), RequestError::Json { .. }));
+        assert_eq!(parse(r#"{"prompt":"x"}"#, &[]).unwrap_err(), RequestError::field("model", "missing"));
+        assert!(
+            matches!(parse(r#"{"model":3,"prompt":"x"}"#, &[]).unwrap_err(), RequestError::Field { field, .. } if field == "model")
+        );
+        assert!(
+            matches!(parse(r#"{"model":"m","prompt":"x","max_tokens":-1}"#, &[]).unwrap_err(), RequestError::Field { field, .. } if field == "max_tokens")
+        );
+        assert!(
+            matches!(parse(r#"{"model":"m","prompt":"x","messages":[]}"#, &[]).unwrap_err(), RequestError::Field { field, .. } if field == "messages")
+        );
+        assert!(
+            matches!(parse(r#"{"model":"m"}"#, &[]).unwrap_err(), RequestError::Field { field, .. } if field == "prompt")
+        );
+        let cfg = RequestConfig { max_body_bytes: 10, ..RequestConfig::default() };
+        let e = RouteRequest::parse(br#"{"model":"m","prompt":"x"}"#, [("a", "b")], &cfg).unwrap_err();
+        assert_eq!(e, RequestError::BodyTooLarge { size: 26, limit: 10 });
+        assert!(matches!(parse("\u{0}\u{1}garbage", &[]).unwrap_err(), RequestError::Json { .. }));
+    }
+
+    #[test]
+    fn headers_are_read_case_insensitively() {
+        let r = parse(
+            r#"{"model":"sql-lora","prompt":"x","cache_salt":"t1"}"#,
+            &[
+                ("X-Session-Id", "s1"),
+                ("x-llm-d-inference-fairness-id", "tenant-a"),
+                ("X-KVROUTE-PRIORITY", "-2"),
+                ("x-kvroute-horizon", "Long"),
+                ("x-kvroute-risk", "3"),
+                ("x-kvroute-bypass-probability", "0.5"),
+                ("x-request-id", "req-1"),
+                ("x-request-id", "ignored"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(r.session_id.as_deref(), Some("s1"));
+        assert_eq!(r.fairness_id.as_deref(), Some("tenant-a"));
+        assert_eq!(r.priority, -2);
+        assert_eq!(r.hint, JudgmentHint { horizon: Some(Horizon::Long), risk: Some(3), bypass_probability: Some(0.5) });
+        assert_eq!(r.request_id.as_deref(), Some("req-1"));
+        assert_eq!(r.cache_salt.as_deref(), Some("t1"));
+        assert_eq!(r.lora_adapter, None);
+        let mut cfg = RequestConfig::default();
+        cfg.lora_adapters.insert("sql-lora".into(), "sql-adapter".into());
+        let r = RouteRequest::parse(br#"{"model":"sql-lora","prompt":"x"}"#, [("a", "b")], &cfg).unwrap();
+        assert_eq!(r.lora_adapter.as_deref(), Some("sql-adapter"));
+    }
+
+    #[test]
+    fn bad_headers_are_typed_errors() {
+        for (h, v) in [
+            ("x-kvroute-priority", "high"),
+            ("x-kvroute-horizon", "forever"),
+            ("x-kvroute-risk", "4"),
+            ("x-kvroute-bypass-probability", "1.5"),
+            ("x-kvroute-bypass-probability", "NaN"),
+            (":path", "/v1/embeddings"),
+        ] {
+            let e = parse(r#"{"model":"m","prompt":"x"}"#, &[(h, v)]).unwrap_err();
+            assert!(matches!(&e, RequestError::Header { header, value, .. } if header == h && value == v), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn path_selects_the_api() {
+        let e = parse(r#"{"model":"m","prompt":"x"}"#, &[(":path", "/v1/chat/completions?x=1")]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "messages"));
+        let r = parse(r#"{"model":"m","prompt":"x"}"#, &[(":path", "/v1/completions")]).unwrap();
+        assert_eq!(r.api, Api::Completions);
+    }
+}

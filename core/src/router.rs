@@ -1,0 +1,680 @@
+//! The [`Router`]: policy cell, endpoint table, index and request tracking, and the one decision
+//! path.
+
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use arc_swap::ArcSwap;
+use lru::LruCache;
+use serde::Serialize;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3DefaultBuilder};
+
+use crate::admission;
+use crate::config::Policy;
+use crate::decision::{self, Decision, Mode, ModeInputs, Rule};
+use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointTable, MetricsSnapshot, Role};
+use crate::error::{ConfigError, RouteError, StateError};
+use crate::hashing::{ApproxHashing, RequestKeys};
+use crate::index::{ApproxIndex, IndexStats, MatchScratch};
+use crate::request::RouteRequest;
+use crate::score::{self, EndpointScore, FeatureInputs};
+
+/// A policy together with its version and derived parameters.
+#[derive(Debug)]
+pub struct ActivePolicy {
+    /// Monotonic version: 1 for the policy the router was built with, +1 per successful reload.
+    pub version: u64,
+    /// The policy.
+    pub policy: Policy,
+    hashing: ApproxHashing,
+    fingerprint: u64,
+    capacity: u32,
+}
+
+impl ActivePolicy {
+    fn new(policy: Policy, version: u64) -> Self {
+        let i = &policy.config().index;
+        let hashing =
+            ApproxHashing { block_tokens: i.block_tokens, bytes_per_token: i.bytes_per_token, hash_seed: i.hash_seed };
+        ActivePolicy {
+            version,
+            fingerprint: policy.index_fingerprint(),
+            capacity: policy.index_capacity_memberships(),
+            hashing,
+            policy,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SlotRef {
+    slot: u16,
+    incarnation: u32,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    target: SlotRef,
+    prefill: Option<SlotRef>,
+    started_ms: u64,
+}
+
+/// Counters kept by the router (for metrics exposition by the bindings).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RouterCounters {
+    /// Decisions per rule, indexed like [`Rule::ALL`].
+    pub decisions_by_rule: [u64; 7],
+    /// Route calls that returned an error.
+    pub route_errors: u64,
+    /// Successful reloads.
+    pub reloads: u64,
+    /// Rejected reloads.
+    pub reload_failures: u64,
+    /// Index resets caused by a change of hashing parameters.
+    pub index_resets: u64,
+    /// Requests dropped from in-flight tracking without `complete` (timeout or overflow).
+    pub inflight_expired: u64,
+}
+
+/// A snapshot of the router's state.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RouterStats {
+    /// Active policy version.
+    pub policy_version: u64,
+    /// Registered endpoints.
+    pub endpoints: usize,
+    /// Requests in flight.
+    pub inflight_requests: usize,
+    /// Approximate index figures.
+    pub index: IndexStats,
+    /// Counters.
+    pub counters: RouterCounters,
+}
+
+/// One endpoint as the router sees it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EndpointInfo {
+    /// Id.
+    pub id: Arc<str>,
+    /// Role.
+    pub role: Role,
+    /// Health flag.
+    pub healthy: bool,
+    /// Last metrics snapshot.
+    pub metrics: Option<MetricsSnapshot>,
+    /// Router-side in-flight requests.
+    pub inflight: u32,
+    /// Approximate-index memberships.
+    pub index_memberships: u32,
+}
+
+struct State {
+    endpoints: EndpointTable,
+    index: ApproxIndex,
+    sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
+    inflight: LruCache<String, Inflight, Xxh3DefaultBuilder>,
+    next_request: u64,
+    draws: u64,
+    matched: Vec<u32>,
+    scratch: MatchScratch,
+    counters: RouterCounters,
+}
+
+impl State {
+    fn release(&mut self, f: &Inflight) {
+        for r in std::iter::once(f.target).chain(f.prefill) {
+            if let Some(ep) = self.endpoints.get_mut(r.slot) {
+                if ep.incarnation == r.incarnation {
+                    ep.inflight = ep.inflight.saturating_sub(1);
+                }
+            }
+        }
+    }
+
+    fn expire_inflight(&mut self, now_ms: u64, timeout_ms: u64) {
+        while let Some((_, f)) = self.inflight.peek_lru() {
+            if now_ms.saturating_sub(f.started_ms) <= timeout_ms {
+                break;
+            }
+            if let Some((_, f)) = self.inflight.pop_lru() {
+                self.release(&f);
+                self.counters.inflight_expired += 1;
+            }
+        }
+    }
+
+    fn live_ref(&self, r: SlotRef) -> bool {
+        self.endpoints.get(r.slot).is_some_and(|e| e.incarnation == r.incarnation)
+    }
+}
+
+fn nz(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).unwrap_or(NonZeroUsize::MIN)
+}
+
+/// The router. `Send + Sync`: share it behind an `Arc` and call it from any thread.
+///
+/// The policy lives in an [`ArcSwap`] cell: every decision loads it once, so a decision is made
+/// entirely under one policy version, and [`Router::reload`] swaps it atomically. Mutable state
+/// (endpoint table, index, sessions, in-flight requests) sits behind one mutex; block hashing and
+/// request parsing happen outside it.
+pub struct Router {
+    policy: ArcSwap<ActivePolicy>,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router").field("policy_version", &self.policy.load().version).finish_non_exhaustive()
+    }
+}
+
+impl Default for Router {
+    fn default() -> Self {
+        Router::new(Policy::default())
+    }
+}
+
+impl Router {
+    /// A router running `policy` (version 1) with no endpoints.
+    pub fn new(policy: Policy) -> Router {
+        let active = ActivePolicy::new(policy, 1);
+        let limits = &active.policy.config().limits;
+        let state = State {
+            endpoints: EndpointTable::default(),
+            index: ApproxIndex::new(active.fingerprint, active.capacity),
+            sessions: LruCache::with_hasher(nz(limits.session_capacity), Xxh3DefaultBuilder),
+            inflight: LruCache::with_hasher(nz(limits.max_inflight_requests), Xxh3DefaultBuilder),
+            next_request: 0,
+            draws: 0,
+            matched: Vec::new(),
+            scratch: MatchScratch::default(),
+            counters: RouterCounters::default(),
+        };
+        Router { policy: ArcSwap::from_pointee(active), state: Mutex::new(state) }
+    }
+
+    /// A router from a JSON policy document.
+    pub fn from_json(text: &str) -> Result<Router, ConfigError> {
+        Policy::from_json(text).map(Router::new)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Nothing in the core panics while holding the lock; should a bug ever do so, the state
+        // is still structurally valid, so keep serving rather than poison every later call.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The active policy.
+    pub fn policy(&self) -> Arc<ActivePolicy> {
+        self.policy.load_full()
+    }
+
+    /// Swap in a new (already validated) policy atomically and return its version.
+    ///
+    /// What happens to state:
+    /// - If the hashing parameters (`index.block_tokens`, `index.bytes_per_token`,
+    ///   `index.hash_seed`) change, the approximate index is cleared: keys made under the old
+    ///   parameters can never match keys made under the new ones, so keeping them would only
+    ///   waste memory. Routing continues immediately (cold for the index). A decision that began
+    ///   under the old policy and finishes after the swap neither reads nor writes the new index.
+    /// - If only `index.capacity_bytes_per_endpoint` changes, entries are kept; endpoints over the
+    ///   new capacity lose their oldest generations at once.
+    /// - Endpoints, metrics, in-flight counters and sessions are kept (the in-flight and session
+    ///   tables are resized to the new limits, releasing the oldest entries if they shrink).
+    pub fn reload(&self, policy: Policy) -> u64 {
+        let mut st = self.lock();
+        let old = self.policy.load_full();
+        let new = Arc::new(ActivePolicy::new(policy, old.version + 1));
+        if new.fingerprint != st.index.fingerprint() {
+            st.index.reset(new.fingerprint);
+            st.counters.index_resets += 1;
+        }
+        if new.capacity != old.capacity {
+            st.index.set_capacity(new.capacity);
+        }
+        let limits = &new.policy.config().limits;
+        while st.inflight.len() > limits.max_inflight_requests {
+            if let Some((_, f)) = st.inflight.pop_lru() {
+                st.release(&f);
+                st.counters.inflight_expired += 1;
+            }
+        }
+        st.inflight.resize(nz(limits.max_inflight_requests));
+        st.sessions.resize(nz(limits.session_capacity));
+        st.counters.reloads += 1;
+        let version = new.version;
+        self.policy.store(new);
+        version
+    }
+
+    /// Parse (JSON if it starts with `{`, else YAML), validate and reload. On error the active
+    /// policy is untouched and keeps serving.
+    pub fn reload_str(&self, text: &str) -> Result<u64, ConfigError> {
+        match Policy::from_str_auto(text) {
+            Ok(p) => Ok(self.reload(p)),
+            Err(e) => {
+                self.lock().counters.reload_failures += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// Register an endpoint, or change the role of a registered one (its index entries, metrics
+    /// and counters are kept).
+    pub fn upsert_endpoint(&self, spec: EndpointSpec) -> Result<(), StateError> {
+        validate_endpoint_id(&spec.id)?;
+        let limit = self.policy.load().policy.config().limits.max_endpoints;
+        let mut st = self.lock();
+        if let Some(slot) = st.endpoints.slot_of(&spec.id) {
+            if let Some(ep) = st.endpoints.get_mut(slot) {
+                ep.role = spec.role;
+            }
+            return Ok(());
+        }
+        if st.endpoints.len() >= limit {
+            return Err(StateError::TooManyEndpoints { limit });
+        }
+        let State { endpoints, index, .. } = &mut *st;
+        let slot = endpoints.insert(&spec, |s| index.slot_reusable(s));
+        index.activate(slot as usize);
+        Ok(())
+    }
+
+    /// Remove an endpoint: its index entries are purged (at once for routing; memory is reclaimed
+    /// by the sweeper) and requests still in flight there are forgotten.
+    pub fn remove_endpoint(&self, id: &str) -> Result<(), StateError> {
+        let mut st = self.lock();
+        let slot = st.endpoints.remove(id).ok_or_else(|| StateError::UnknownEndpoint { id: id.to_owned() })?;
+        st.index.retire(slot as usize);
+        Ok(())
+    }
+
+    /// Store a metrics snapshot (its `updated_ms` is the time it was taken).
+    pub fn update_metrics(&self, id: &str, metrics: MetricsSnapshot) -> Result<(), StateError> {
+        metrics.validate(id)?;
+        let mut st = self.lock();
+        let slot = st.endpoints.slot_of(id).ok_or_else(|| StateError::UnknownEndpoint { id: id.to_owned() })?;
+        if let Some(ep) = st.endpoints.get_mut(slot) {
+            ep.metrics = Some(metrics);
+        }
+        Ok(())
+    }
+
+    /// Mark an endpoint healthy or not (unhealthy endpoints are never picked).
+    pub fn set_healthy(&self, id: &str, healthy: bool) -> Result<(), StateError> {
+        let mut st = self.lock();
+        let slot = st.endpoints.slot_of(id).ok_or_else(|| StateError::UnknownEndpoint { id: id.to_owned() })?;
+        if let Some(ep) = st.endpoints.get_mut(slot) {
+            ep.healthy = healthy;
+        }
+        Ok(())
+    }
+
+    /// Every endpoint, in id order.
+    pub fn endpoints(&self) -> Vec<EndpointInfo> {
+        let st = self.lock();
+        st.endpoints
+            .order()
+            .iter()
+            .filter_map(|&s| st.endpoints.get(s).map(|e| (s, e)))
+            .map(|(s, e)| EndpointInfo {
+                id: e.id.clone(),
+                role: e.role,
+                healthy: e.healthy,
+                metrics: e.metrics.clone(),
+                inflight: e.inflight,
+                index_memberships: st.index.memberships_of(s as usize),
+            })
+            .collect()
+    }
+
+    /// A snapshot of sizes and counters.
+    pub fn stats(&self) -> RouterStats {
+        let version = self.policy.load().version;
+        let st = self.lock();
+        RouterStats {
+            policy_version: version,
+            endpoints: st.endpoints.len(),
+            inflight_requests: st.inflight.len(),
+            index: st.index.stats(),
+            counters: st.counters.clone(),
+        }
+    }
+
+    /// The request finished (response fully sent or failed): release its in-flight counters.
+    pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
+        let mut st = self.lock();
+        match st.inflight.pop(request_id) {
+            Some(f) => {
+                st.release(&f);
+                Ok(())
+            }
+            None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
+        }
+    }
+
+    /// Parse an HTTP request (body + headers) and route it, all under one policy version.
+    pub fn route_http<K, V>(
+        &self,
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        now_ms: u64,
+    ) -> Result<Decision, RouteError>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let active = self.policy.load_full();
+        let req = match RouteRequest::parse(body, headers, &active.policy.config().request) {
+            Ok(r) => r,
+            Err(e) => {
+                self.lock().counters.route_errors += 1;
+                return Err(e.into());
+            }
+        };
+        self.route_with(&active, &req, now_ms)
+    }
+
+    /// Route a parsed request at time `now_ms` (milliseconds on the caller's clock, the same clock
+    /// as metric timestamps).
+    pub fn route(&self, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
+        let active = self.policy.load_full();
+        self.route_with(&active, req, now_ms)
+    }
+
+    fn route_with(&self, active: &ActivePolicy, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
+        let cfg = active.policy.config();
+        let mut keys = RequestKeys::default();
+        active.hashing.request_keys(req, &mut keys);
+        let input_tokens = req.input_tokens(cfg.index.bytes_per_token);
+        let session_key = req.session_id.as_deref().map(|s| xxh3_64(s.as_bytes()));
+
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        st.expire_inflight(now_ms, cfg.limits.inflight_timeout_ms);
+        // A decision that began under a policy whose hashing differs from the index's neither
+        // reads nor writes the index (see `reload`).
+        let index_valid = st.index.fingerprint() == active.fingerprint;
+        if index_valid {
+            st.index.match_blocks(&keys, &mut st.matched, &mut st.scratch);
+        } else {
+            st.matched.clear();
+        }
+        let session_ref = session_key.and_then(|k| st.sessions.peek(&k).copied()).filter(|r| st.live_ref(*r));
+
+        let total_blocks = keys.keys.len();
+        let mut scores: Vec<EndpointScore> = Vec::with_capacity(st.endpoints.len());
+        let mut slots: Vec<u16> = Vec::with_capacity(st.endpoints.len());
+        for &slot in st.endpoints.order() {
+            let Some(ep) = st.endpoints.get(slot) else { continue };
+            let f = FeatureInputs {
+                matched_blocks: st.matched.get(slot as usize).copied().unwrap_or(0),
+                total_blocks,
+                lora_adapter: req.lora_adapter.as_deref(),
+                session_here: session_ref.is_some_and(|r| r.slot == slot),
+                now_ms,
+            };
+            scores.push(score::score_endpoint(cfg, ep, &f));
+            slots.push(slot);
+        }
+
+        let mut cands = Vec::with_capacity(scores.len());
+        let relaxed_decode = score::candidates(&scores, Role::decodes, &mut cands);
+        st.draws = st.draws.wrapping_add(1);
+        let Some(d) = score::pick(&cfg.scoring.picker, &scores, &cands, keys.anchor, st.draws) else {
+            st.counters.route_errors += 1;
+            return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
+        };
+        let d_slot = slots[d];
+
+        let decode_pool = slots
+            .iter()
+            .zip(&scores)
+            .filter(|(_, s)| s.role.decodes() && s.filtered != Some(score::FilterReason::Unhealthy))
+            .filter_map(|(&slot, _)| st.endpoints.get(slot));
+        let saturation = admission::pool_saturation(cfg, decode_pool, now_ms);
+        let judgment =
+            decision::judge(&cfg.modes, &req.hint, input_tokens, req.effective_max_tokens(), scores[d].prefix_hit);
+        let block_tokens = |blocks: u32| (u64::from(blocks) * u64::from(cfg.index.block_tokens)).min(input_tokens);
+        let request_id = self.assign_request_id(st, req);
+
+        if let Some(shed) = admission::admit(cfg, saturation, req.priority) {
+            st.counters.decisions_by_rule[rule_index(Rule::Shed)] += 1;
+            let headers = vec![(decision::HEADER_SHED_REASON, shed.reason.clone())];
+            return Ok(Decision {
+                request_id,
+                policy_version: active.version,
+                rule: Rule::Shed,
+                mode: None,
+                endpoint: None,
+                prefill_endpoint: None,
+                shed: Some(shed),
+                headers,
+                judgment,
+                input_tokens,
+                prefix_hit: scores[d].prefix_hit,
+                cached_tokens: block_tokens(scores[d].matched_blocks),
+                saturation,
+                relaxed_filters: relaxed_decode,
+                transfer: None,
+                scores,
+            });
+        }
+
+        let mut relaxed = relaxed_decode;
+        let prefill = {
+            let relaxed_p = score::candidates(&scores, |r| r == Role::Prefill, &mut cands);
+            let p = score::pick(&cfg.scoring.picker, &scores, &cands, keys.anchor ^ 0x5046, st.draws);
+            relaxed |= relaxed_p && p.is_some();
+            p
+        };
+        let d_ep = st.endpoints.get(d_slot);
+        let inputs = ModeInputs {
+            input_tokens,
+            judgment,
+            decode_hit: scores[d].prefix_hit,
+            decode_kv_usage: scores[d].kv_usage,
+            decode_cached_tokens: block_tokens(scores[d].matched_blocks),
+            decode_running: d_ep.map_or(0, |e| e.metrics.as_ref().map_or(0, |m| m.running).max(e.inflight)),
+            prefill_cached_tokens: prefill.map(|p| block_tokens(scores[p].matched_blocks)),
+        };
+        let (mode, rule, transfer) = decision::decide_mode(cfg, &inputs);
+        let prefill = if mode == Mode::Disaggregated { prefill } else { None };
+
+        // Book-keeping: assumed residency, in-flight counters, session affinity.
+        let target = self.track(st, d_slot);
+        let prefill_ref = prefill.map(|p| self.track(st, slots[p]));
+        if index_valid {
+            for seq in keys.sequences() {
+                st.index.observe(seq, d_slot as usize);
+                if let Some(p) = prefill {
+                    st.index.observe(seq, slots[p] as usize);
+                }
+            }
+        }
+        let evicted =
+            st.inflight.push(request_id.clone(), Inflight { target, prefill: prefill_ref, started_ms: now_ms });
+        if let Some((_, old)) = evicted {
+            st.release(&old);
+            st.counters.inflight_expired += 1;
+        }
+        if let Some(k) = session_key {
+            st.sessions.push(k, target);
+        }
+        st.counters.decisions_by_rule[rule_index(rule)] += 1;
+        drop(guard);
+
+        let endpoint = scores[d].endpoint.clone();
+        let prefill_endpoint = prefill.map(|p| scores[p].endpoint.clone());
+        let mut headers = Vec::with_capacity(4);
+        headers.push((decision::HEADER_DESTINATION, endpoint.to_string()));
+        if let Some(p) = &prefill_endpoint {
+            headers.push((decision::HEADER_PREFILLER, p.to_string()));
+        }
+        headers.push((decision::HEADER_MODE, mode.as_str().to_owned()));
+        if cfg.request.debug_header {
+            headers.push((
+                decision::HEADER_SCORE,
+                format!("{};{:.4};{:.4}", rule.as_str(), scores[d].total, scores[d].prefix_hit),
+            ));
+        }
+        Ok(Decision {
+            request_id,
+            policy_version: active.version,
+            rule,
+            mode: Some(mode),
+            prefix_hit: scores[d].prefix_hit,
+            cached_tokens: block_tokens(scores[d].matched_blocks),
+            endpoint: Some(endpoint),
+            prefill_endpoint,
+            shed: None,
+            headers,
+            judgment,
+            input_tokens,
+            saturation,
+            relaxed_filters: relaxed,
+            transfer,
+            scores,
+        })
+    }
+
+    fn track(&self, st: &mut State, slot: u16) -> SlotRef {
+        match st.endpoints.get_mut(slot) {
+            Some(ep) => {
+                ep.inflight = ep.inflight.saturating_add(1);
+                SlotRef { slot, incarnation: ep.incarnation }
+            }
+            None => SlotRef { slot, incarnation: 0 },
+        }
+    }
+
+    fn assign_request_id(&self, st: &mut State, req: &RouteRequest) -> String {
+        match &req.request_id {
+            Some(id) if !st.inflight.contains(id.as_str()) => id.clone(),
+            Some(id) => {
+                // The caller reused an id still in flight: make it unique so neither request's
+                // counters are lost; the decision carries the id to complete with.
+                let mut n = 2u64;
+                loop {
+                    let candidate = format!("{id}~{n}");
+                    if !st.inflight.contains(candidate.as_str()) {
+                        return candidate;
+                    }
+                    n += 1;
+                }
+            }
+            None => {
+                st.next_request += 1;
+                format!("kvr-{}", st.next_request)
+            }
+        }
+    }
+}
+
+fn rule_index(rule: Rule) -> usize {
+    Rule::ALL.iter().position(|&r| r == rule).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn router() -> Router {
+        let r = Router::default();
+        r.upsert_endpoint(EndpointSpec::new("10.0.0.1:8000", Role::Decode)).unwrap();
+        r.upsert_endpoint(EndpointSpec::new("10.0.0.2:8000", Role::Decode)).unwrap();
+        r
+    }
+
+    #[test]
+    fn router_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Router>();
+    }
+
+    #[test]
+    fn repeated_prompt_goes_to_the_same_endpoint_and_bypasses() {
+        let r = router();
+        let prompt = "x".repeat(256 * 40);
+        let req = RouteRequest::text("m", &prompt);
+        let d1 = r.route(&req, 0).unwrap();
+        r.complete(&d1.request_id).unwrap();
+        let d2 = r.route(&req, 1).unwrap();
+        assert_eq!(d1.endpoint, d2.endpoint);
+        assert_eq!(d2.prefix_hit, 1.0);
+        assert_eq!(d2.rule, Rule::DecodeDirect);
+        assert_eq!(d2.header(decision::HEADER_MODE), Some("decode-direct"));
+        assert_eq!(d2.header(decision::HEADER_DESTINATION), d2.endpoint.as_deref());
+    }
+
+    #[test]
+    fn inflight_counts_follow_route_and_complete() {
+        let r = router();
+        let d = r.route(&RouteRequest::text("m", "hi"), 0).unwrap();
+        let ep = d.endpoint.clone().unwrap();
+        let count = |r: &Router| r.endpoints().iter().find(|e| e.id == ep).unwrap().inflight;
+        assert_eq!(count(&r), 1);
+        r.complete(&d.request_id).unwrap();
+        assert_eq!(count(&r), 0);
+        assert!(matches!(r.complete(&d.request_id), Err(StateError::UnknownRequest { .. })));
+    }
+
+    #[test]
+    fn reused_request_ids_are_made_unique() {
+        let r = router();
+        let mut req = RouteRequest::text("m", "hi");
+        req.request_id = Some("abc".into());
+        let a = r.route(&req, 0).unwrap();
+        let b = r.route(&req, 0).unwrap();
+        assert_eq!(a.request_id, "abc");
+        assert_eq!(b.request_id, "abc~2");
+        r.complete("abc").unwrap();
+        r.complete("abc~2").unwrap();
+        assert!(r.endpoints().iter().all(|e| e.inflight == 0));
+    }
+
+    #[test]
+    fn inflight_entries_expire() {
+        let r = router();
+        let d = r.route(&RouteRequest::text("m", "hi"), 0).unwrap();
+        let timeout = r.policy().policy.config().limits.inflight_timeout_ms;
+        r.route(&RouteRequest::text("m", "ho"), timeout + 1).unwrap();
+        assert!(matches!(r.complete(&d.request_id), Err(StateError::UnknownRequest { .. })));
+        assert_eq!(r.stats().counters.inflight_expired, 1);
+        assert_eq!(r.endpoints().iter().map(|e| e.inflight).sum::<u32>(), 1);
+    }
+
+    #[test]
+    fn endpoint_errors() {
+        let r = router();
+        assert!(matches!(
+            r.upsert_endpoint(EndpointSpec::new("nope", Role::Decode)),
+            Err(StateError::InvalidEndpointId { .. })
+        ));
+        assert!(matches!(r.remove_endpoint("10.9.9.9:1"), Err(StateError::UnknownEndpoint { .. })));
+        assert!(matches!(
+            r.update_metrics("10.9.9.9:1", MetricsSnapshot::default()),
+            Err(StateError::UnknownEndpoint { .. })
+        ));
+        let bad = MetricsSnapshot { kv_usage: 2.0, ..Default::default() };
+        assert!(matches!(r.update_metrics("10.0.0.1:8000", bad), Err(StateError::InvalidMetrics { .. })));
+        assert_eq!(r.endpoints().len(), 2, "state unchanged");
+        let empty = Router::default();
+        assert!(matches!(empty.route(&RouteRequest::text("m", "x"), 0), Err(RouteError::NoEndpoints { .. })));
+        let r2 = Router::new(Policy::from_json(r#"{"limits":{"max_endpoints":1}}"#).unwrap());
+        r2.upsert_endpoint(EndpointSpec::new("10.0.0.1:1", Role::Both)).unwrap();
+        assert_eq!(
+            r2.upsert_endpoint(EndpointSpec::new("10.0.0.2:1", Role::Both)),
+            Err(StateError::TooManyEndpoints { limit: 1 })
+        );
+    }
+
+    #[test]
+    fn prefill_only_fleet_cannot_route() {
+        let r = Router::default();
+        r.upsert_endpoint(EndpointSpec::new("10.0.0.1:1", Role::Prefill)).unwrap();
+        assert!(matches!(r.route(&RouteRequest::text("m", "x"), 0), Err(RouteError::NoEndpoints { .. })));
+        assert_eq!(r.stats().counters.route_errors, 1);
+    }
+}

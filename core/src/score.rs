@@ -1,0 +1,271 @@
+//! Per-endpoint features, filters, the weighted score and the pickers.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::config::{PickerConfig, PolicyConfig};
+use crate::endpoints::{EndpointState, Role};
+
+/// Why an endpoint was filtered out of the candidates (most severe reason only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FilterReason {
+    /// Fresh metrics show the queue or KV usage at an admission threshold.
+    Saturated,
+    /// Metrics missing or older than `metrics.staleness_ms`.
+    StaleMetrics,
+    /// Marked unhealthy.
+    Unhealthy,
+}
+
+/// One endpoint's score breakdown in a decision.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EndpointScore {
+    /// Endpoint id.
+    pub endpoint: Arc<str>,
+    /// Its role.
+    pub role: Role,
+    /// Set when a filter removed it (it may still have been used if the filter was relaxed).
+    pub filtered: Option<FilterReason>,
+    /// Leading prompt blocks it holds (summed over prompt sequences).
+    pub matched_blocks: u32,
+    /// H: tier-weighted matched blocks / request blocks (0–1).
+    pub prefix_hit: f64,
+    /// LoRA affinity (0–1).
+    pub lora: f64,
+    /// Q̃: waiting queue / `scoring.queue_reference`.
+    pub queue: f64,
+    /// U: KV-cache usage (0–1).
+    pub kv_usage: f64,
+    /// 1 when the request's session last went here.
+    pub session: f64,
+    /// F̃: router-side in-flight requests / `scoring.inflight_reference`.
+    pub inflight: f64,
+    /// The weighted total.
+    pub total: f64,
+}
+
+/// Inputs for one endpoint's score.
+pub(crate) struct FeatureInputs<'a> {
+    pub matched_blocks: u32,
+    pub total_blocks: usize,
+    pub lora_adapter: Option<&'a str>,
+    pub session_here: bool,
+    pub now_ms: u64,
+}
+
+pub(crate) fn metrics_fresh(ep: &EndpointState, cfg: &PolicyConfig, now_ms: u64) -> bool {
+    ep.metrics.as_ref().is_some_and(|m| now_ms.saturating_sub(m.updated_ms) <= cfg.metrics.staleness_ms)
+}
+
+pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &FeatureInputs<'_>) -> EndpointScore {
+    let s = &cfg.scoring;
+    let fresh = metrics_fresh(ep, cfg, f.now_ms);
+    let prefix_hit = if f.total_blocks == 0 {
+        0.0
+    } else {
+        (f64::from(f.matched_blocks) / f.total_blocks as f64).min(1.0) * cfg.index.tier_weights.gpu
+    };
+    let (queue, kv_usage, lora) = match &ep.metrics {
+        Some(m) => {
+            let lora = match f.lora_adapter {
+                None => 0.0,
+                Some(a) if m.lora_running.iter().any(|x| x == a) => s.lora_affinity.running,
+                Some(a) if m.lora_waiting.iter().any(|x| x == a) => s.lora_affinity.waiting,
+                Some(_) if m.max_lora.is_some_and(|max| (m.lora_running.len() as u64) < u64::from(max)) => {
+                    s.lora_affinity.room
+                }
+                Some(_) => 0.0,
+            };
+            (f64::from(m.waiting) / s.queue_reference, m.kv_usage, lora)
+        }
+        None => (0.0, 0.0, 0.0),
+    };
+    let session = if f.session_here { 1.0 } else { 0.0 };
+    let inflight = f64::from(ep.inflight) / s.inflight_reference;
+    let w = &s.weights;
+    let total = w.prefix * prefix_hit + w.lora * lora + w.session * session
+        - w.queue * queue
+        - w.kv_usage * kv_usage
+        - w.inflight * inflight;
+    let filtered = if !ep.healthy {
+        Some(FilterReason::Unhealthy)
+    } else if !fresh && s.filters.exclude_stale {
+        Some(FilterReason::StaleMetrics)
+    } else if fresh && s.filters.exclude_saturated && saturated(cfg, ep) {
+        Some(FilterReason::Saturated)
+    } else {
+        None
+    };
+    EndpointScore {
+        endpoint: ep.id.clone(),
+        role: ep.role,
+        filtered,
+        matched_blocks: f.matched_blocks,
+        prefix_hit,
+        lora,
+        queue,
+        kv_usage,
+        session,
+        inflight,
+        total,
+    }
+}
+
+fn saturated(cfg: &PolicyConfig, ep: &EndpointState) -> bool {
+    ep.metrics.as_ref().is_some_and(|m| {
+        f64::from(m.waiting) >= cfg.admission.queue_threshold || m.kv_usage >= cfg.admission.kv_threshold
+    })
+}
+
+/// Candidates of a pool (indices into `scores`), relaxing filters when none pass: first
+/// saturation, then staleness; health never. Returns whether a filter was relaxed.
+pub(crate) fn candidates(scores: &[EndpointScore], in_pool: impl Fn(Role) -> bool, out: &mut Vec<usize>) -> bool {
+    const LEVELS: [Option<FilterReason>; 3] = [None, Some(FilterReason::Saturated), Some(FilterReason::StaleMetrics)];
+    for (level, max) in LEVELS.iter().enumerate() {
+        out.clear();
+        out.extend(
+            scores
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| in_pool(s.role) && s.filtered <= *max && s.filtered != Some(FilterReason::Unhealthy))
+                .map(|(i, _)| i),
+        );
+        if !out.is_empty() {
+            return level > 0;
+        }
+    }
+    false
+}
+
+/// Pick one candidate. `draw` is the router's decision counter (advances the weighted-random
+/// generator deterministically).
+pub(crate) fn pick(
+    picker: &PickerConfig,
+    scores: &[EndpointScore],
+    cands: &[usize],
+    anchor: u64,
+    draw: u64,
+) -> Option<usize> {
+    match picker {
+        PickerConfig::MaxScore => max_score(scores, cands, anchor),
+        PickerConfig::WeightedRandom { seed, temperature } => {
+            let max = cands.iter().map(|&i| scores[i].total).fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = cands.iter().map(|&i| ((scores[i].total - max) / temperature).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            if !(sum.is_finite() && sum > 0.0) {
+                return max_score(scores, cands, anchor);
+            }
+            let u = unit_f64(splitmix64(seed ^ draw.wrapping_mul(0x9E37_79B9_7F4A_7C15))) * sum;
+            let mut acc = 0.0;
+            for (k, w) in weights.iter().enumerate() {
+                acc += w;
+                if u < acc {
+                    return Some(cands[k]);
+                }
+            }
+            cands.last().copied()
+        }
+    }
+}
+
+const TIE_EPSILON: f64 = 1e-9;
+
+fn max_score(scores: &[EndpointScore], cands: &[usize], anchor: u64) -> Option<usize> {
+    let mut best: Option<(usize, u64)> = None;
+    for &i in cands {
+        let rv = xxh3_64_with_seed(scores[i].endpoint.as_bytes(), anchor);
+        best = match best {
+            None => Some((i, rv)),
+            Some((b, brv)) => {
+                let d = scores[i].total - scores[b].total;
+                if d > TIE_EPSILON || (d.abs() <= TIE_EPSILON && rv > brv) {
+                    Some((i, rv))
+                } else {
+                    Some((b, brv))
+                }
+            }
+        };
+    }
+    best.map(|(i, _)| i)
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+fn unit_f64(x: u64) -> f64 {
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(id: &str, total: f64) -> EndpointScore {
+        EndpointScore {
+            endpoint: Arc::from(id),
+            role: Role::Decode,
+            filtered: None,
+            matched_blocks: 0,
+            prefix_hit: 0.0,
+            lora: 0.0,
+            queue: 0.0,
+            kv_usage: 0.0,
+            session: 0.0,
+            inflight: 0.0,
+            total,
+        }
+    }
+
+    #[test]
+    fn max_score_and_rendezvous_ties() {
+        let scores = vec![s("a:1", 0.5), s("b:1", 0.7), s("c:1", 0.7)];
+        let p = PickerConfig::MaxScore;
+        let winner = pick(&p, &scores, &[0, 1, 2], 42, 0).unwrap();
+        assert!(winner == 1 || winner == 2);
+        assert_eq!(pick(&p, &scores, &[0, 1, 2], 42, 5), Some(winner), "deterministic");
+        assert_eq!(pick(&p, &scores, &[2, 1, 0], 42, 0), Some(winner), "independent of order");
+        // Different anchors spread ties over both.
+        let picks: std::collections::BTreeSet<usize> =
+            (0..64).map(|a| pick(&p, &scores, &[0, 1, 2], a, 0).unwrap()).collect();
+        assert_eq!(picks, [1, 2].into_iter().collect());
+        assert_eq!(pick(&p, &scores, &[], 1, 0), None);
+    }
+
+    #[test]
+    fn weighted_random_follows_softmax() {
+        let scores = vec![s("a:1", 1.0), s("b:1", 0.0)];
+        let p = PickerConfig::WeightedRandom { seed: 9, temperature: 0.5 };
+        let n = 20_000;
+        let a = (0..n).filter(|&d| pick(&p, &scores, &[0, 1], 0, d) == Some(0)).count();
+        let expect = 1.0 / (1.0 + (-2.0f64).exp());
+        let got = a as f64 / n as f64;
+        assert!((got - expect).abs() < 0.02, "{got} vs {expect}");
+        let seq1: Vec<_> = (0..50).map(|d| pick(&p, &scores, &[0, 1], 0, d)).collect();
+        let seq2: Vec<_> = (0..50).map(|d| pick(&p, &scores, &[0, 1], 0, d)).collect();
+        assert_eq!(seq1, seq2, "seeded: same sequence");
+    }
+
+    #[test]
+    fn relaxation_order() {
+        let mut v = vec![s("a:1", 0.0), s("b:1", 0.0), s("c:1", 0.0)];
+        v[0].filtered = Some(FilterReason::Unhealthy);
+        v[1].filtered = Some(FilterReason::StaleMetrics);
+        v[2].filtered = Some(FilterReason::Saturated);
+        let mut out = Vec::new();
+        assert!(candidates(&v, |_| true, &mut out));
+        assert_eq!(out, vec![2]);
+        v[2].filtered = Some(FilterReason::Unhealthy);
+        assert!(candidates(&v, |_| true, &mut out));
+        assert_eq!(out, vec![1]);
+        v[1].filtered = Some(FilterReason::Unhealthy);
+        candidates(&v, |_| true, &mut out);
+        assert!(out.is_empty(), "unhealthy is never relaxed");
+    }
+}
