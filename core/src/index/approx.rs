@@ -515,7 +515,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
         /// Invariants under random operation sequences: match results equal a naive computation
         /// from `contains`; live counts equal records found; capacity holds.

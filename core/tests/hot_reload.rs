@@ -1,0 +1,153 @@
+//! Hot reload under traffic: every decision is made by exactly one policy version, invalid configs
+//! are rejected without disturbing the active one, and nothing panics.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+
+use kvroute::{ConfigError, EndpointSpec, Policy, Role, Router, Rule};
+
+/// Config A: short prompts take the colocated fast path, the debug header is on. (Both configs
+/// close the decode-direct bypass with a zero KV ceiling, so repeated prompts do not take it.)
+const A: &str =
+    r#"{"modes":{"colocated_input_max_tokens":100000,"decode_kv_ceiling":0.0},"request":{"debug_header":true}}"#;
+/// Config B: the fast path is closed (no prefill pool → no_prefill_pool), no debug header, and a
+/// different hashing seed, so every swap to or from B also resets the index.
+const B: &str = "modes:\n  colocated_input_max_tokens: 1\n  decode_kv_ceiling: 0.0\nindex:\n  hash_seed: 77\n";
+
+const INVALID: [&str; 5] = [
+    r#"{"modes":{"bypass_prefix_hit":2}}"#,
+    r#"{"modes":"#,
+    "index:\n  block_tokens: 0\n",
+    r#"{"scoring":{"weights":{"prefx":1}}}"#,
+    r#"{"limits":{"max_endpoints":999999}}"#,
+];
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    A,
+    B,
+}
+
+#[test]
+fn decisions_are_consistent_with_one_version_under_reload_storm() {
+    let router = Arc::new(Router::new(Policy::from_json(A).unwrap()));
+    for i in 1..=4 {
+        router.upsert_endpoint(EndpointSpec::new(format!("10.0.0.{i}:8000"), Role::Decode)).unwrap();
+    }
+    let versions: Arc<Mutex<BTreeMap<u64, Kind>>> = Arc::new(Mutex::new(BTreeMap::from([(1, Kind::A)])));
+    let done = Arc::new(AtomicBool::new(false));
+
+    let mut routers = Vec::new();
+    for t in 0..4 {
+        let router = router.clone();
+        let done = done.clone();
+        routers.push(thread::spawn(move || {
+            let mut seen = Vec::new();
+            let mut n = 0u64;
+            let prompt_base = "shared system prompt for the reload test ".repeat(30);
+            while !done.load(Ordering::Relaxed) || n < 200 {
+                let body =
+                    format!(r#"{{"model":"m","prompt":"{prompt_base} thread {t} request {}","max_tokens":20}}"#, n % 7);
+                let d = router.route_http(body.as_bytes(), [("x-session-id", "s")], n).unwrap();
+                seen.push((d.policy_version, d.rule, d.header("x-kvroute-score").is_some()));
+                router.complete(&d.request_id).unwrap();
+                n += 1;
+            }
+            seen
+        }));
+    }
+
+    let reloader = {
+        let router = router.clone();
+        let versions = versions.clone();
+        thread::spawn(move || {
+            let mut ok = 0;
+            for i in 0..2000 {
+                if i % 2 == 0 {
+                    let kind = if i % 4 == 0 { Kind::B } else { Kind::A };
+                    let text = if kind == Kind::A { A } else { B };
+                    // Record the version before anyone can observe it: reload assigns
+                    // current + 1 and only this thread reloads.
+                    let next = router.policy().version + 1;
+                    versions.lock().unwrap().insert(next, kind);
+                    let v = router.reload_str(text).unwrap();
+                    assert_eq!(v, next);
+                    ok += 1;
+                } else {
+                    let before = router.policy().version;
+                    let bad = INVALID[(i / 2) % INVALID.len()];
+                    let err = router.reload_str(bad).unwrap_err();
+                    assert!(matches!(err, ConfigError::Parse { .. } | ConfigError::Invalid { .. }));
+                    assert_eq!(router.policy().version, before, "a rejected config changes nothing");
+                }
+            }
+            ok
+        })
+    };
+    let ok_reloads = reloader.join().unwrap();
+    done.store(true, Ordering::Relaxed);
+
+    let versions = versions.lock().unwrap().clone();
+    let mut total = 0;
+    let mut by_kind = [0usize; 2];
+    for h in routers {
+        let seen = h.join().unwrap();
+        let mut last = 0;
+        for (version, rule, debug_header) in seen {
+            assert!(version >= last, "a thread never sees an older policy after a newer one");
+            last = version;
+            let kind = versions[&version];
+            match kind {
+                Kind::A => {
+                    assert_eq!(rule, Rule::ColocatedFastPath, "version {version} is A");
+                    assert!(debug_header, "version {version} is A: debug header on");
+                }
+                Kind::B => {
+                    assert_eq!(rule, Rule::NoPrefillPool, "version {version} is B");
+                    assert!(!debug_header, "version {version} is B: debug header off");
+                }
+            }
+            by_kind[kind as usize] += 1;
+            total += 1;
+        }
+    }
+    assert_eq!(ok_reloads, 1000);
+    let stats = router.stats();
+    assert_eq!(stats.counters.reloads, 1000);
+    assert_eq!(stats.counters.reload_failures, 1000);
+    assert_eq!(stats.policy_version, 1001);
+    assert!(stats.counters.index_resets >= 999, "every A<->B swap resets the index");
+    assert!(total >= 800);
+    assert!(by_kind[0] > 0 && by_kind[1] > 0, "both policies served traffic: {by_kind:?}");
+    assert!(router.endpoints().iter().all(|e| e.inflight == 0), "no in-flight count lost");
+}
+
+#[test]
+fn index_survives_a_reload_that_keeps_hashing_and_resets_when_hashing_changes() {
+    let router = Router::default();
+    router.upsert_endpoint(EndpointSpec::new("10.0.0.1:8000", Role::Decode)).unwrap();
+    router.upsert_endpoint(EndpointSpec::new("10.0.0.2:8000", Role::Decode)).unwrap();
+    let body = format!(r#"{{"model":"m","prompt":"{}","max_tokens":500}}"#, "abcd".repeat(64 * 20));
+    let first = router.route_http(body.as_bytes(), [("a", "b")], 0).unwrap();
+    router.complete(&first.request_id).unwrap();
+
+    router.reload_str(r#"{"modes":{"bypass_prefix_hit":0.95}}"#).unwrap();
+    let d = router.route_http(body.as_bytes(), [("a", "b")], 1).unwrap();
+    router.complete(&d.request_id).unwrap();
+    assert_eq!(d.prefix_hit, 1.0, "same hashing: entries kept");
+    assert_eq!(d.endpoint, first.endpoint);
+    assert_eq!(router.stats().counters.index_resets, 0);
+
+    router.reload_str(r#"{"index":{"block_tokens":32}}"#).unwrap();
+    let d = router.route_http(body.as_bytes(), [("a", "b")], 2).unwrap();
+    assert_eq!(d.prefix_hit, 0.0, "new hashing: old keys are gone");
+    assert_eq!(router.stats().counters.index_resets, 1);
+    assert_eq!(d.policy_version, 3);
+
+    // Shrinking the budget keeps entries up to the new capacity.
+    router.reload_str(r#"{"index":{"block_tokens":32,"capacity_bytes_per_endpoint":4096}}"#).unwrap();
+    assert!(router.endpoints().iter().all(|e| e.index_memberships <= 256));
+}
