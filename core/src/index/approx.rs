@@ -25,7 +25,7 @@
 //! observe.
 //!
 //! # Memory
-//! A key with one holder costs one 12-byte bucket (at load ≤ 7/8); each further holder costs 4
+//! A key with one holder costs one 8-byte bucket (at load ≤ 7/8); each further holder costs 4
 //! bytes in a size-classed arena chunk. See `memory_bytes` and the `index_memory` test for
 //! measured bytes per membership.
 
@@ -292,7 +292,7 @@ impl ApproxIndex {
         let Some((&first, rest)) = seq.split_first() else { return };
         let slots = &self.slots;
         scratch.alive.clear();
-        for &r in self.table.records(first) {
+        for &r in self.table.records(first).as_slice() {
             if is_live(slots, r) {
                 let s = rec_slot(r);
                 scratch.alive.push(s as u16);
@@ -304,6 +304,7 @@ impl ApproxIndex {
                 break;
             }
             let recs = self.table.records(key);
+            let recs = recs.as_slice();
             if recs.is_empty() {
                 break;
             }
@@ -336,7 +337,7 @@ impl ApproxIndex {
 
     /// Whether `slot` holds `key` (live).
     pub fn contains(&self, key: BlockKey, slot: usize) -> bool {
-        self.table.records(key).iter().any(|&r| rec_slot(r) == slot && is_live(&self.slots, r))
+        self.table.records(key).as_slice().iter().any(|&r| rec_slot(r) == slot && is_live(&self.slots, r))
     }
 
     /// Live memberships of `slot`.
@@ -358,14 +359,14 @@ impl ApproxIndex {
 
     #[cfg(test)]
     pub(crate) fn stored_records(&self) -> u64 {
-        self.table.iter().map(|(_, r)| r.len() as u64).sum()
+        self.table.iter().map(|(_, r)| r.as_slice().len() as u64).sum()
     }
 
     #[cfg(test)]
     pub(crate) fn live_records_in_table(&self, slot: usize) -> u64 {
         self.table
             .iter()
-            .map(|(_, recs)| recs.iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64)
+            .map(|(_, recs)| recs.as_slice().iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64)
             .sum()
     }
 }

@@ -1,39 +1,88 @@
 //! An open-addressing hash table from 64-bit block keys to small sets of 31-bit records.
 //!
 //! Written here rather than taken from a crate because the index needs three things no
-//! general-purpose map offers together: 12-byte buckets (a `u64` key and a `u32` head, no padding),
-//! a resumable positional sweep (`retain_at` + a cursor) for incremental garbage collection, and
-//! posting lists that live inline when a key has one holder and in a size-classed arena otherwise.
+//! general-purpose map offers together: 8-byte buckets, a resumable positional sweep
+//! (`retain_at` + a cursor) for incremental garbage collection, and posting lists that live
+//! inline when a key has one holder and in a size-classed arena otherwise.
 //!
 //! Layout:
-//! - bucket = key split in two `u32` halves + `head`. Key 0 marks an empty bucket (callers never
-//!   use key 0). Linear probing, power-of-two capacity, load ≤ 7/8, backward-shift deletion (no
-//!   tombstones).
+//! - bucket = one `u64`: a 32-bit key fingerprint (high half) and a 32-bit `head` (low half).
+//!   The fingerprint is the top half of a bijective mix of the key; 0 marks an empty bucket (a
+//!   real fingerprint of 0 is stored as 1). Linear probing from a home position derived from the
+//!   fingerprint, power-of-two capacity, load ≤ 7/8, backward-shift deletion (no tombstones).
 //! - `head` with the top bit clear is the single record itself; with the top bit set, its low 31
 //!   bits index a chunk in `arena`: `[len | class << 16, rec_0, .., rec_{cap-1}]`,
 //!   `cap = 2 << class`. Freed chunks go on a per-class free list (next index in `rec_0`).
+//!
+//! Keys are stored as 32-bit fingerprints, and the home position is derived from the
+//! fingerprint (so the table can be rehashed without the keys). Two keys with equal fingerprints
+//! therefore share one entry: among `n` keys about `n² / 2^33` such pairs exist (≈ 57 among 700k
+//! keys, measured). A shared entry can make an endpoint that holds one of the two blocks appear to
+//! hold the other, i.e. extend a match by one block at one chain position — an error far below the
+//! approximate index's own (it records *assumed* residency) and one that buys 8-byte buckets
+//! instead of 12 or 16. The event-fed precise index does not use fingerprints.
 
 const CHUNK_FLAG: u32 = 1 << 31;
 const NONE: u32 = u32::MAX;
 const CLASSES: usize = 13; // caps 2 ..= 8192
 const MIN_BUCKETS: usize = 64;
 
-#[derive(Clone, Copy, Default)]
-#[repr(C)]
-struct Bucket {
-    lo: u32,
-    hi: u32,
-    head: u32,
-}
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+struct Bucket(u64);
 
 impl Bucket {
     #[inline]
-    fn key(&self) -> u64 {
-        (u64::from(self.hi) << 32) | u64::from(self.lo)
+    fn new(fp: u32, head: u32) -> Self {
+        Bucket((u64::from(fp) << 32) | u64::from(head))
     }
     #[inline]
-    fn is_empty(&self) -> bool {
-        self.lo == 0 && self.hi == 0
+    fn fp(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+    #[inline]
+    fn head(self) -> u32 {
+        self.0 as u32
+    }
+    #[inline]
+    fn is_empty(self) -> bool {
+        self.0 >> 32 == 0
+    }
+    #[inline]
+    fn set_head(&mut self, head: u32) {
+        self.0 = (self.0 & !0xffff_ffff) | u64::from(head);
+    }
+}
+
+/// The 32-bit fingerprint of a key (never 0).
+#[inline]
+fn fingerprint(key: u64) -> u32 {
+    let mut x = key;
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    ((x >> 32) as u32).max(1)
+}
+
+/// The records of one key.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Records<'a> {
+    /// Key absent.
+    None,
+    /// One holder (stored inline in the bucket).
+    One(u32),
+    /// Several holders (an arena chunk).
+    Many(&'a [u32]),
+}
+
+impl Records<'_> {
+    /// The records as a slice.
+    #[inline]
+    pub(crate) fn as_slice(&self) -> &[u32] {
+        match self {
+            Records::None => &[],
+            Records::One(r) => std::slice::from_ref(r),
+            Records::Many(s) => s,
+        }
     }
 }
 
@@ -83,8 +132,8 @@ impl PostingTable {
     }
 
     #[inline]
-    fn home(&self, key: u64) -> usize {
-        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    fn home(&self, fp: u32) -> usize {
+        (u64::from(fp).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
     }
 
     #[inline]
@@ -94,13 +143,12 @@ impl PostingTable {
 
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
-        debug_assert_ne!(key, 0);
-        let (lo, hi) = (key as u32, (key >> 32) as u32);
+        let fp = fingerprint(key);
         let mask = self.mask();
-        let mut i = self.home(key);
+        let mut i = self.home(fp);
         loop {
-            let b = &self.buckets[i];
-            if b.lo == lo && b.hi == hi {
+            let b = self.buckets[i];
+            if b.fp() == fp {
                 return Some(i);
             }
             if b.is_empty() {
@@ -111,23 +159,23 @@ impl PostingTable {
     }
 
     #[inline]
-    fn records_at(&self, i: usize) -> &[u32] {
-        let head = &self.buckets[i].head;
-        if *head & CHUNK_FLAG == 0 {
-            std::slice::from_ref(head)
+    fn records_at(&self, i: usize) -> Records<'_> {
+        let head = self.buckets[i].head();
+        if head & CHUNK_FLAG == 0 {
+            Records::One(head)
         } else {
-            let c = (*head & !CHUNK_FLAG) as usize;
+            let c = (head & !CHUNK_FLAG) as usize;
             let len = (self.arena[c] & 0xffff) as usize;
-            &self.arena[c + 1..c + 1 + len]
+            Records::Many(&self.arena[c + 1..c + 1 + len])
         }
     }
 
     /// The records of `key` (empty when absent).
     #[inline]
-    pub(crate) fn records(&self, key: u64) -> &[u32] {
+    pub(crate) fn records(&self, key: u64) -> Records<'_> {
         match self.find(key) {
             Some(i) => self.records_at(i),
-            None => &[],
+            None => Records::None,
         }
     }
 
@@ -136,17 +184,17 @@ impl PostingTable {
     pub(crate) fn upsert(&mut self, key: u64, same: impl Fn(u32) -> bool, rec: u32) -> Option<u32> {
         debug_assert_eq!(rec & CHUNK_FLAG, 0);
         if let Some(i) = self.find(key) {
-            let head = self.buckets[i].head;
+            let head = self.buckets[i].head();
             if head & CHUNK_FLAG == 0 {
                 if same(head) {
-                    self.buckets[i].head = rec;
+                    self.buckets[i].set_head(rec);
                     return Some(head);
                 }
                 let c = self.alloc(0);
                 self.arena[c] = 2; // class 0, len 2
                 self.arena[c + 1] = head;
                 self.arena[c + 2] = rec;
-                self.buckets[i].head = CHUNK_FLAG | c as u32;
+                self.buckets[i].set_head(CHUNK_FLAG | c as u32);
                 return None;
             }
             let c = (head & !CHUNK_FLAG) as usize;
@@ -163,18 +211,18 @@ impl PostingTable {
         if (self.len + 1) * 8 > self.buckets.len() * 7 {
             self.grow();
         }
-        self.place(key, rec);
+        self.place(Bucket::new(fingerprint(key), rec));
         self.len += 1;
         None
     }
 
-    fn place(&mut self, key: u64, head: u32) {
+    fn place(&mut self, b: Bucket) {
         let mask = self.mask();
-        let mut i = self.home(key);
+        let mut i = self.home(b.fp());
         while !self.buckets[i].is_empty() {
             i = (i + 1) & mask;
         }
-        self.buckets[i] = Bucket { lo: key as u32, hi: (key >> 32) as u32, head };
+        self.buckets[i] = b;
     }
 
     fn grow(&mut self) {
@@ -186,7 +234,7 @@ impl PostingTable {
         let old = std::mem::replace(&mut self.buckets, vec![Bucket::default(); n]);
         self.shift = 64 - n.trailing_zeros();
         for b in old.into_iter().filter(|b| !b.is_empty()) {
-            self.place(b.key(), b.head);
+            self.place(b);
         }
     }
 
@@ -224,7 +272,7 @@ impl PostingTable {
         self.arena.copy_within(c + 1..c + 1 + len, n + 1);
         self.arena[n] = (class << 16) | len as u32;
         self.release(c);
-        self.buckets[i].head = CHUNK_FLAG | n as u32;
+        self.buckets[i].set_head(CHUNK_FLAG | n as u32);
         n
     }
 
@@ -235,14 +283,15 @@ impl PostingTable {
         if b.is_empty() {
             return false;
         }
-        if b.head & CHUNK_FLAG == 0 {
-            if keep(b.head) {
+        let head = b.head();
+        if head & CHUNK_FLAG == 0 {
+            if keep(head) {
                 return false;
             }
             self.delete_at(i);
             return true;
         }
-        let c = (b.head & !CHUNK_FLAG) as usize;
+        let c = (head & !CHUNK_FLAG) as usize;
         let len = (self.arena[c] & 0xffff) as usize;
         let mut w = 0;
         for r in 0..len {
@@ -260,7 +309,8 @@ impl PostingTable {
                 return true;
             }
             1 => {
-                self.buckets[i].head = self.arena[c + 1];
+                let rec = self.arena[c + 1];
+                self.buckets[i].set_head(rec);
                 self.release(c);
             }
             _ => {
@@ -288,7 +338,7 @@ impl PostingTable {
         self.len -= 1;
         let mut j = (hole + 1) & mask;
         while !self.buckets[j].is_empty() {
-            let home = self.home(self.buckets[j].key());
+            let home = self.home(self.buckets[j].fp());
             // Move j into the hole unless its home lies cyclically in (hole, j].
             let dist_home = j.wrapping_sub(home) & mask;
             let dist_hole = j.wrapping_sub(hole) & mask;
@@ -319,12 +369,12 @@ impl PostingTable {
         self.maybe_shrink();
     }
 
-    /// Iterate over (key, records) of every key (tests and diagnostics).
+    /// Iterate over (fingerprint, records) of every key (tests and diagnostics).
     #[cfg(test)]
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &[u32])> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, Records<'_>)> + '_ {
         (0..self.buckets.len())
             .filter(|&i| !self.buckets[i].is_empty())
-            .map(|i| (self.buckets[i].key(), self.records_at(i)))
+            .map(|i| (self.buckets[i].fp(), self.records_at(i)))
     }
 }
 
@@ -338,8 +388,15 @@ mod tests {
     }
 
     #[test]
-    fn bucket_is_twelve_bytes() {
-        assert_eq!(std::mem::size_of::<Bucket>(), 12);
+    fn bucket_is_eight_bytes() {
+        assert_eq!(std::mem::size_of::<Bucket>(), 8);
+    }
+
+    #[test]
+    fn fingerprints_are_never_zero_and_spread() {
+        let fps: BTreeSet<u32> = (0..100_000u64).map(fingerprint).collect();
+        assert!(!fps.contains(&0));
+        assert!(fps.len() > 99_990, "{} distinct", fps.len());
     }
 
     #[test]
@@ -371,7 +428,7 @@ mod tests {
         }
         assert_eq!(t.len(), model.len());
         for (k, m) in &model {
-            let got: BTreeSet<u32> = t.records(*k).iter().copied().collect();
+            let got: BTreeSet<u32> = t.records(*k).as_slice().iter().copied().collect();
             let want: BTreeSet<u32> = m.values().copied().collect();
             assert_eq!(got, want, "key {k}");
         }
@@ -380,14 +437,14 @@ mod tests {
         t.compact(|r| slot(r) % 2 == 0);
         for (k, m) in &model {
             let want: BTreeSet<u32> = m.values().copied().filter(|r| slot(*r) % 2 == 0).collect();
-            let got: BTreeSet<u32> = t.records(*k).iter().copied().collect();
+            let got: BTreeSet<u32> = t.records(*k).as_slice().iter().copied().collect();
             assert_eq!(got, want);
         }
         t.compact(|_| false);
         assert_eq!(t.len(), 0);
         assert!(t.capacity() <= 64);
         for k in model.keys() {
-            assert!(t.records(*k).is_empty());
+            assert!(t.records(*k).as_slice().is_empty());
         }
     }
 
@@ -397,17 +454,17 @@ mod tests {
         for s in 0..1000u32 {
             assert_eq!(t.upsert(7, |r| slot(r) == s, s << 8), None);
         }
-        assert_eq!(t.records(7).len(), 1000);
+        assert_eq!(t.records(7).as_slice().len(), 1000);
         let arena_after_grow = t.arena.len();
         t.retain_key(7, |r| slot(r) < 3);
-        assert_eq!(t.records(7).len(), 3);
+        assert_eq!(t.records(7).as_slice().len(), 3);
         for s in 3..1000u32 {
             t.upsert(7, |r| slot(r) == s, s << 8);
         }
-        assert_eq!(t.records(7).len(), 1000);
+        assert_eq!(t.records(7).as_slice().len(), 1000);
         assert!(t.arena.len() <= arena_after_grow * 2, "free lists are reused");
         t.retain_key(7, |r| slot(r) == 5);
-        assert_eq!(t.records(7), &[5 << 8]);
+        assert_eq!(t.records(7).as_slice(), &[5 << 8]);
         t.retain_key(7, |_| false);
         assert_eq!(t.len(), 0);
     }

@@ -1,0 +1,109 @@
+//! `route()` with the approximate index at 8k-token-equivalent prompts, for 8, 64 and 512
+//! endpoints; plus parse+route and block hashing alone.
+//!
+//! Run: `cargo bench -p kvroute-benches --bench route`. The index is warmed with realistic
+//! traffic first (tenants with shared system prompts and growing conversations), so lookups walk
+//! shared postings and the routed request has a partial hit.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvroute::{ApproxHashing, EndpointSpec, MetricsSnapshot, Policy, RequestKeys, Role, RouteRequest, Router};
+
+const NOW: u64 = 1_000;
+/// 8k tokens × 4 bytes per pseudo-token.
+const PROMPT_BYTES: usize = 8192 * 4;
+
+fn text(seed: u64, len: usize) -> String {
+    let words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut s = String::with_capacity(len + 16);
+    while s.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.push_str(words[(x % 10) as usize]);
+        s.push(' ');
+    }
+    s.truncate(len);
+    s
+}
+
+/// A router with `n` decode endpoints, fresh metrics, and an index warmed by `warm` earlier
+/// 8k-token requests (16 tenants, 2k-token system prompts, distinct conversation tails).
+fn router(n: usize, warm: usize) -> (Router, Vec<String>) {
+    let router = Router::new(Policy::default());
+    for i in 0..n {
+        let id = format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256);
+        router.upsert_endpoint(EndpointSpec::new(id.as_str(), Role::Decode)).unwrap();
+        let m = MetricsSnapshot {
+            waiting: (i % 4) as u32,
+            running: 8,
+            kv_usage: 0.3 + (i % 5) as f64 * 0.05,
+            updated_ms: NOW,
+            ..Default::default()
+        };
+        router.update_metrics(&id, m).unwrap();
+    }
+    let systems: Vec<String> = (0..16).map(|t| text(1000 + t, 2048 * 4)).collect();
+    for r in 0..warm {
+        let tail = text(r as u64, PROMPT_BYTES - systems[0].len());
+        let req = RouteRequest::text("llama", &format!("{}{}", systems[r % 16], tail));
+        let d = router.route(&req, NOW).unwrap();
+        router.complete(&d.request_id).unwrap();
+    }
+    (router, systems)
+}
+
+fn bench_route(c: &mut Criterion) {
+    let mut g = c.benchmark_group("route_approx_8k");
+    for n in [8usize, 64, 512] {
+        let (router, systems) = router(n, 4 * n);
+        // A follow-up turn: system prompt (shared) + an earlier conversation's tail (cached on one
+        // endpoint) + new text.
+        let prior_tail = text(3, PROMPT_BYTES - systems[0].len());
+        let prompt = format!("{}{}", systems[3], &prior_tail[..prior_tail.len() - 4096]);
+        let prompt = format!("{prompt}{}", text(99, PROMPT_BYTES - prompt.len()));
+        let req = RouteRequest::text("llama", &prompt);
+        let d = router.route(&req, NOW).unwrap();
+        assert!(d.prefix_hit > 0.5, "the bench request is a partial hit ({})", d.prefix_hit);
+        router.complete(&d.request_id).unwrap();
+        g.throughput(Throughput::Elements(1));
+        g.bench_with_input(BenchmarkId::new("route", n), &req, |b, req| {
+            b.iter(|| {
+                let d = router.route(black_box(req), NOW).unwrap();
+                router.complete(&d.request_id).unwrap();
+                d
+            });
+        });
+        if n == 64 {
+            let body = serde_json::json!({"model": "llama", "prompt": prompt, "max_tokens": 256}).to_string();
+            g.bench_function(BenchmarkId::new("parse_and_route", n), |b| {
+                b.iter(|| {
+                    let d = router.route_http(black_box(body.as_bytes()), [("x-session-id", "s")], NOW).unwrap();
+                    router.complete(&d.request_id).unwrap();
+                    d
+                });
+            });
+        }
+    }
+    g.finish();
+
+    let h = ApproxHashing { block_tokens: 64, bytes_per_token: 4, hash_seed: 0 };
+    let req = RouteRequest::text("llama", &text(5, PROMPT_BYTES));
+    let mut keys = RequestKeys::default();
+    c.bench_function("approx_block_keys_8k", |b| {
+        b.iter(|| {
+            h.request_keys(black_box(&req), &mut keys);
+            keys.keys.len()
+        });
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(60).measurement_time(std::time::Duration::from_secs(4));
+    targets = bench_route
+}
+criterion_main!(benches);
