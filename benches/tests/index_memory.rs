@@ -35,7 +35,10 @@ fn bytes_per_membership_at_steady_state_with_eviction() {
     wl.fill(&mut ix);
     let st = ix.stats();
     let per = st.memory_bytes as f64 / st.memberships as f64;
-    println!("W=64 steady state: live {}, {} keys, {} bytes: {per:.2} B/membership", st.memberships, st.keys, st.memory_bytes);
+    println!(
+        "W=64 steady state: live {}, {} keys, {} bytes: {per:.2} B/membership",
+        st.memberships, st.keys, st.memory_bytes
+    );
     assert!(st.memberships <= 64 * u64::from(shape.capacity_per_endpoint));
     assert!(per <= 16.0, "{per:.2} bytes per membership");
 }

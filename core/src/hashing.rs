@@ -6,13 +6,17 @@
 //!
 //! ```text
 //! seed  = xxh3_64(model ‖ 0xff ‖ salt-flag ‖ cache_salt ‖ kind, index.hash_seed)
-//! key_0 = mix(seed, xxh3_64(block_0)),   key_k = mix(key_{k-1}, xxh3_64(block_k))
+//! key_0 = mix(seed, rapidhash_v3(block_0)),   key_k = mix(key_{k-1}, rapidhash_v3(block_k))
 //! mix(p, b) = xxh3_64_with_seed(b as 8 LE bytes, p)
 //! ```
+//!
+//! Block contents are hashed with rapidhash v3 (a versioned, portable algorithm: the same keys on
+//! every platform, wasm included), about twice as fast as xxh3 on 256-byte blocks without AVX2.
 //!
 //! so a key identifies the whole prefix up to and including its block, within one model and one
 //! tenant (`cache_salt`): two different salts never share a key. Key 0 is reserved (remapped to 1).
 
+use rapidhash::v3::rapidhash_v3;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::request::{Prompt, RouteRequest};
@@ -94,23 +98,31 @@ impl ApproxHashing {
         out.block_tokens = self.block_tokens;
         let salt = req.cache_salt.as_deref();
         let mut anchor = self.hash_seed ^ 0x9e37_79b9_7f4a_7c15;
+        let (mut text_seed, mut token_seed) = (None, None);
         let mut scratch: Vec<u8> = Vec::new();
         for p in &req.prompts {
-            out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
-            match p {
+            let start = out.keys.len();
+            out.seq_starts.push(u32::try_from(start).unwrap_or(u32::MAX));
+            // The anchor covers the whole prompt without hashing it twice: the last full-block
+            // key (which chains over every full block) plus the partial tail.
+            let (seed, tail_hash) = match p {
                 Prompt::Text(bytes) => {
-                    let seed = self.seed(&req.model, salt, false);
+                    let seed = *text_seed.get_or_insert_with(|| self.seed(&req.model, salt, false));
                     self.chain_bytes(seed, bytes, &mut out.keys);
-                    anchor = xxh3_64_with_seed(bytes, anchor ^ seed);
+                    let full = bytes.len() - bytes.len() % self.block_bytes();
+                    (seed, xxh3_64(&bytes[full..]))
                 }
                 Prompt::Tokens(ids) => {
-                    let seed = self.seed(&req.model, salt, true);
+                    let seed = *token_seed.get_or_insert_with(|| self.seed(&req.model, salt, true));
                     self.chain_tokens(seed, ids, &mut out.keys, &mut scratch);
+                    let full = ids.len() - ids.len() % self.block_tokens as usize;
                     scratch.clear();
-                    scratch.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
-                    anchor = xxh3_64_with_seed(&scratch, anchor ^ seed);
+                    scratch.extend(ids[full..].iter().flat_map(|t| t.to_le_bytes()));
+                    (seed, xxh3_64(&scratch))
                 }
-            }
+            };
+            let last = out.keys[start..].last().copied().unwrap_or(seed);
+            anchor = mix(anchor ^ last, tail_hash);
         }
         out.anchor = anchor;
     }
@@ -121,7 +133,7 @@ impl ApproxHashing {
         let mut parent = seed;
         out.reserve(bytes.len() / bs);
         for block in bytes.chunks_exact(bs) {
-            parent = mix(parent, xxh3_64(block));
+            parent = mix(parent, rapidhash_v3(block));
             out.push(parent);
         }
     }
@@ -134,7 +146,7 @@ impl ApproxHashing {
         for block in ids.chunks_exact(bt) {
             scratch.clear();
             scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
-            parent = mix(parent, xxh3_64(scratch));
+            parent = mix(parent, rapidhash_v3(scratch));
             out.push(parent);
         }
     }

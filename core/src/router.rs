@@ -117,6 +117,8 @@ struct State {
     draws: u64,
     matched: Vec<u32>,
     scratch: MatchScratch,
+    slots_buf: Vec<u16>,
+    cands_buf: Vec<usize>,
     counters: RouterCounters,
 }
 
@@ -189,6 +191,8 @@ impl Router {
             draws: 0,
             matched: Vec::new(),
             scratch: MatchScratch::default(),
+            slots_buf: Vec::new(),
+            cands_buf: Vec::new(),
             counters: RouterCounters::default(),
         };
         Router { policy: ArcSwap::from_pointee(active), state: Mutex::new(state) }
@@ -384,9 +388,24 @@ impl Router {
     }
 
     fn route_with(&self, active: &ActivePolicy, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
+        // Block hashing happens outside the lock, into a per-thread buffer.
+        KEYS.with(|cell| {
+            let mut keys = cell.take();
+            active.hashing.request_keys(req, &mut keys);
+            let out = self.decide(active, req, &keys, now_ms);
+            cell.replace(keys);
+            out
+        })
+    }
+
+    fn decide(
+        &self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &RequestKeys,
+        now_ms: u64,
+    ) -> Result<Decision, RouteError> {
         let cfg = active.policy.config();
-        let mut keys = RequestKeys::default();
-        active.hashing.request_keys(req, &mut keys);
         let input_tokens = req.input_tokens(cfg.index.bytes_per_token);
         let session_key = req.session_id.as_deref().map(|s| xxh3_64(s.as_bytes()));
 
@@ -397,7 +416,7 @@ impl Router {
         // reads nor writes the index (see `reload`).
         let index_valid = st.index.fingerprint() == active.fingerprint;
         if index_valid {
-            st.index.match_blocks(&keys, &mut st.matched, &mut st.scratch);
+            st.index.match_blocks(keys, &mut st.matched, &mut st.scratch);
         } else {
             st.matched.clear();
         }
@@ -405,7 +424,8 @@ impl Router {
 
         let total_blocks = keys.keys.len();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(st.endpoints.len());
-        let mut slots: Vec<u16> = Vec::with_capacity(st.endpoints.len());
+        let mut slots = std::mem::take(&mut st.slots_buf);
+        slots.clear();
         for &slot in st.endpoints.order() {
             let Some(ep) = st.endpoints.get(slot) else { continue };
             let f = FeatureInputs {
@@ -419,11 +439,13 @@ impl Router {
             slots.push(slot);
         }
 
-        let mut cands = Vec::with_capacity(scores.len());
+        let mut cands = std::mem::take(&mut st.cands_buf);
         let relaxed_decode = score::candidates(&scores, Role::decodes, &mut cands);
         st.draws = st.draws.wrapping_add(1);
         let Some(d) = score::pick(&cfg.scoring.picker, &scores, &cands, keys.anchor, st.draws) else {
             st.counters.route_errors += 1;
+            st.slots_buf = slots;
+            st.cands_buf = cands;
             return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
         };
         let d_slot = slots[d];
@@ -441,6 +463,8 @@ impl Router {
 
         if let Some(shed) = admission::admit(cfg, saturation, req.priority) {
             st.counters.decisions_by_rule[rule_index(Rule::Shed)] += 1;
+            st.slots_buf = slots;
+            st.cands_buf = cands;
             let headers = vec![(decision::HEADER_SHED_REASON, shed.reason.clone())];
             return Ok(Decision {
                 request_id,
@@ -503,7 +527,12 @@ impl Router {
             st.sessions.push(k, target);
         }
         st.counters.decisions_by_rule[rule_index(rule)] += 1;
+        let d_index = d;
+        let prefill_index = prefill;
+        st.slots_buf = slots;
+        st.cands_buf = cands;
         drop(guard);
+        let (d, prefill) = (d_index, prefill_index);
 
         let endpoint = scores[d].endpoint.clone();
         let prefill_endpoint = prefill.map(|p| scores[p].endpoint.clone());
@@ -570,6 +599,12 @@ impl Router {
             }
         }
     }
+}
+
+std::thread_local! {
+    static KEYS: std::cell::Cell<RequestKeys> = const {
+        std::cell::Cell::new(RequestKeys { keys: Vec::new(), seq_starts: Vec::new(), anchor: 0, block_tokens: 0 })
+    };
 }
 
 fn rule_index(rule: Rule) -> usize {

@@ -12,7 +12,8 @@ use crate::endpoints::{EndpointState, Role};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FilterReason {
-    /// Fresh metrics show the queue or KV usage at an admission threshold.
+    /// Fresh metrics show the queue or KV usage at a filter limit
+    /// (`scoring.filters.max_waiting` / `max_kv_usage`).
     Saturated,
     /// Metrics missing or older than `metrics.staleness_ms`.
     StaleMetrics,
@@ -94,7 +95,7 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
         Some(FilterReason::Unhealthy)
     } else if !fresh && s.filters.exclude_stale {
         Some(FilterReason::StaleMetrics)
-    } else if fresh && s.filters.exclude_saturated && saturated(cfg, ep) {
+    } else if fresh && overloaded(cfg, ep) {
         Some(FilterReason::Saturated)
     } else {
         None
@@ -114,9 +115,10 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
     }
 }
 
-fn saturated(cfg: &PolicyConfig, ep: &EndpointState) -> bool {
+fn overloaded(cfg: &PolicyConfig, ep: &EndpointState) -> bool {
+    let f = &cfg.scoring.filters;
     ep.metrics.as_ref().is_some_and(|m| {
-        f64::from(m.waiting) >= cfg.admission.queue_threshold || m.kv_usage >= cfg.admission.kv_threshold
+        f.max_waiting.is_some_and(|w| f64::from(m.waiting) >= w) || f.max_kv_usage.is_some_and(|k| m.kv_usage >= k)
     })
 }
 
@@ -174,22 +176,23 @@ pub(crate) fn pick(
 const TIE_EPSILON: f64 = 1e-9;
 
 fn max_score(scores: &[EndpointScore], cands: &[usize], anchor: u64) -> Option<usize> {
-    let mut best: Option<(usize, u64)> = None;
-    for &i in cands {
-        let rv = xxh3_64_with_seed(scores[i].endpoint.as_bytes(), anchor);
-        best = match best {
-            None => Some((i, rv)),
-            Some((b, brv)) => {
-                let d = scores[i].total - scores[b].total;
-                if d > TIE_EPSILON || (d.abs() <= TIE_EPSILON && rv > brv) {
-                    Some((i, rv))
-                } else {
-                    Some((b, brv))
-                }
+    let rendezvous = |i: usize| xxh3_64_with_seed(scores[i].endpoint.as_bytes(), anchor);
+    let (&first, rest) = cands.split_first()?;
+    // (index, rendezvous hash computed only once a tie needs it)
+    let mut best = (first, None::<u64>);
+    for &i in rest {
+        let d = scores[i].total - scores[best.0].total;
+        if d > TIE_EPSILON {
+            best = (i, None);
+        } else if d.abs() <= TIE_EPSILON {
+            let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
+            let r = rendezvous(i);
+            if r > b {
+                best = (i, Some(r));
             }
-        };
+        }
     }
-    best.map(|(i, _)| i)
+    Some(best.0)
 }
 
 fn splitmix64(mut x: u64) -> u64 {

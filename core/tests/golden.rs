@@ -4,9 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvroute::{
-    Decision, EndpointSpec, MetricsSnapshot, Policy, RequestError, Role, RouteError, Router, StateError,
-};
+use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Policy, RequestError, Role, RouteError, Router, StateError};
 use serde_json::{json, Map, Value};
 
 fn golden_dir() -> PathBuf {

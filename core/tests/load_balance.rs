@@ -44,7 +44,7 @@ fn cached_vs_idle(policy: &str, queue: u32) -> (bool, f64) {
 fn overloaded_cached_endpoint_loses_to_idle_one_exactly_at_the_configured_point() {
     // Saturation filter off: the score alone decides. Defaults: w.prefix = 1, w.queue = 1,
     // queue_reference = 8 → a full hit is worth 8 waiting requests.
-    let p = r#"{"scoring":{"filters":{"exclude_saturated":false}}}"#;
+    let p = r#"{"scoring":{"filters":{"max_waiting":null}}}"#;
     for q in [0, 3, 7] {
         let (stays, hit) = cached_vs_idle(p, q);
         assert!(hit > 0.99, "the repeat is a full hit ({hit})");
@@ -54,21 +54,27 @@ fn overloaded_cached_endpoint_loses_to_idle_one_exactly_at_the_configured_point(
         assert!(!cached_vs_idle(p, q).0, "queue {q} > 8: the idle endpoint wins");
     }
     // Doubling the queue weight halves the break-even point to 4.
-    let p2 = r#"{"scoring":{"filters":{"exclude_saturated":false},"weights":{"queue":2.0}}}"#;
+    let p2 = r#"{"scoring":{"filters":{"max_waiting":null},"weights":{"queue":2.0}}}"#;
     assert!(cached_vs_idle(p2, 3).0);
     assert!(!cached_vs_idle(p2, 5).0);
     // A prefix weight of 0 ignores the cache entirely: any queue loses.
-    let p3 = r#"{"scoring":{"filters":{"exclude_saturated":false},"weights":{"prefix":0.0}}}"#;
+    let p3 = r#"{"scoring":{"filters":{"max_waiting":null},"weights":{"prefix":0.0}}}"#;
     assert!(!cached_vs_idle(p3, 1).0);
 }
 
 #[test]
-fn saturation_filter_removes_the_cached_endpoint_at_the_admission_threshold() {
-    // Defaults: the saturation filter excludes endpoints with waiting ≥ 5 while others remain.
-    assert!(cached_vs_idle("{}", 4).0);
-    assert!(!cached_vs_idle("{}", 5).0);
-    // Raising the threshold lets the score decide again.
-    assert!(cached_vs_idle(r#"{"admission":{"queue_threshold":50}}"#, 6).0);
+fn overload_filter_removes_the_cached_endpoint_at_its_limit() {
+    // With the queue weight at 0 the score always prefers the cached endpoint, so only the
+    // overload filter (scoring.filters.max_waiting, default 16) can move the request.
+    let p = r#"{"scoring":{"weights":{"queue":0.0}}}"#;
+    assert!(cached_vs_idle(p, 15).0);
+    assert!(!cached_vs_idle(p, 16).0);
+    let p = r#"{"scoring":{"weights":{"queue":0.0},"filters":{"max_waiting":6}}}"#;
+    assert!(cached_vs_idle(p, 5).0);
+    assert!(!cached_vs_idle(p, 6).0);
+    // Off: the cached endpoint keeps it whatever its queue.
+    let p = r#"{"scoring":{"weights":{"queue":0.0},"filters":{"max_waiting":null}}}"#;
+    assert!(cached_vs_idle(p, 500).0);
 }
 
 struct HotSpotRun {
@@ -86,7 +92,8 @@ fn hot_spot(duration_ms: u64) -> HotSpotRun {
     for i in 1..=8 {
         router.upsert_endpoint(EndpointSpec::new(format!("10.0.0.{i}:8000"), Role::Decode)).unwrap();
     }
-    let threshold = router.policy().policy.config().admission.queue_threshold as u32;
+    // With default weights a full hit is worth `queue_reference` (8) waiting requests.
+    let threshold = router.policy().policy.config().scoring.queue_reference as u32;
     let system = "You are the hot-spot agent. Follow the tool protocol precisely. ".repeat(120);
     let mut in_flight: VecDeque<(u64, String)> = VecDeque::new();
     let mut per_endpoint: BTreeMap<String, usize> = BTreeMap::new();

@@ -366,7 +366,9 @@ impl ApproxIndex {
     pub(crate) fn live_records_in_table(&self, slot: usize) -> u64 {
         self.table
             .iter()
-            .map(|(_, recs)| recs.as_slice().iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64)
+            .map(|(_, recs)| {
+                recs.as_slice().iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64
+            })
             .sum()
     }
 }

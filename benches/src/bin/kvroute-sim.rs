@@ -1,0 +1,306 @@
+//! `kvroute-sim`: compare routing policies on the same workload over a simulated cluster.
+//!
+//! A thin CLI over `kvroute_benches`; see that crate's docs for the model.
+#![allow(clippy::print_stdout)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use kvroute::Policy;
+use kvroute_benches::sim::{
+    DEFAULT_BATCH_REFERENCE, DEFAULT_CACHE_TOKENS, DEFAULT_ENDPOINTS, DEFAULT_METRICS_INTERVAL_MS,
+    DEFAULT_PREFILL_OVERHEAD_MS, DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_TPOT_MS,
+};
+use kvroute_benches::workload::{
+    DEFAULT_OUTPUT_TOKENS, DEFAULT_RATE, DEFAULT_SESSIONS, DEFAULT_SYSTEM_TOKENS, DEFAULT_TENANTS, DEFAULT_THINK_MS,
+    DEFAULT_TURNS, DEFAULT_USER_TOKENS,
+};
+use kvroute_benches::{
+    compare, load_trace, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
+    SimError, Span, SyntheticConfig,
+};
+
+/// Sessions in a `--quick` run.
+const QUICK_SESSIONS: u32 = 80;
+
+const AFTER_HELP: &str = "\
+WORKLOAD
+  Without --trace, a seeded synthetic multi-turn agent workload: each tenant has a shared system
+  prompt and its own cache_salt; sessions arrive as a Poisson process (--rate); every turn appends
+  the previous assistant reply and a new user message, so conversations grow; turns are spaced by a
+  nominal response time plus an exponential think time. Requests are OpenAI chat bodies with
+  max_tokens = the output length and headers x-session-id and x-request-id.
+
+JSONL TRACE (--trace FILE, --write-trace FILE)
+  One request per line (blank lines skipped, unknown fields rejected):
+    {\"t_ms\": 1250, \"body\": {OpenAI chat or completions body}, \"headers\": {\"x-session-id\": \"s-7\"}, \"output_tokens\": 120}
+  t_ms      arrival time in ms from the start (lines need not be sorted)
+  body      the request body exactly as a client sends it (object)
+  headers   optional object of string header values
+  output_tokens  the true response length (drives decode time)
+  A malformed line stops the run with an error naming the line number.
+
+CLUSTER MODEL
+  N endpoints (10.0.0.1:8000, ...), role both. Each has a true LRU prefix cache over 16-token
+  blocks (--cache-tokens), a FIFO prefill queue served one at a time (overhead + uncached tokens /
+  --prefill-tps) and continuous-batching decode (output tokens x --tpot-ms x (1 + batch/32)).
+  TTFT = arrival to end of prefill. Metrics (waiting, running, kv_usage) are pushed to the kvroute
+  router every --metrics-interval-ms of simulated time, so the router's view is realistically stale.
+
+POLICIES
+  round-robin   endpoints in turn
+  least-loaded  fewest outstanding requests (true counts)
+  kvroute       kvroute's Router::route_http, approximate mode (default policy, or --policy FILE)
+
+EXAMPLES
+  kvroute-sim                          default comparison, chart in ./kvroute-sim.svg
+  kvroute-sim --quick                  small run
+  kvroute-sim --rate 4 --cache-tokens 80000 --policy my-policy.yaml
+  kvroute-sim --write-trace agent.jsonl && kvroute-sim --trace agent.jsonl";
+
+/// Compare LLM request-routing policies (round-robin, least-loaded, kvroute) on the same workload
+/// over a simulated cluster with true prefix caches; prints a table and writes an SVG chart.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-sim", version, after_long_help = AFTER_HELP)]
+struct Args {
+    /// Replay a JSONL trace instead of the synthetic workload (format: see --help).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Also write the workload (synthetic or trace) as a JSONL trace to FILE.
+    #[arg(long, value_name = "FILE")]
+    write_trace: Option<PathBuf>,
+    /// Endpoints in the cluster.
+    #[arg(long, default_value_t = DEFAULT_ENDPOINTS, value_name = "N")]
+    endpoints: u32,
+    /// Tenants (synthetic workload), each with its own system prompt and cache_salt.
+    #[arg(long, default_value_t = DEFAULT_TENANTS, value_name = "N")]
+    tenants: u32,
+    /// Sessions (synthetic workload) [default: 1000, or 80 with --quick].
+    #[arg(long, value_name = "N")]
+    sessions: Option<u32>,
+    /// Turns per session, `A-B` or `N` (synthetic workload).
+    #[arg(long, default_value_t = DEFAULT_TURNS, value_name = "RANGE")]
+    turns: Span,
+    /// Session arrival rate, sessions per second (synthetic workload).
+    #[arg(long, default_value_t = DEFAULT_RATE, value_name = "PER_S")]
+    rate: f64,
+    /// Random seed (synthetic workload): same seed, same workload, same results.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// System prompt tokens per tenant, `A-B` (synthetic workload).
+    #[arg(long, default_value_t = DEFAULT_SYSTEM_TOKENS, value_name = "RANGE")]
+    system_tokens: Span,
+    /// New user message tokens per turn, `A-B` (synthetic workload).
+    #[arg(long, default_value_t = DEFAULT_USER_TOKENS, value_name = "RANGE")]
+    user_tokens: Span,
+    /// Output tokens per response, `A-B` (synthetic workload).
+    #[arg(long, default_value_t = DEFAULT_OUTPUT_TOKENS, value_name = "RANGE")]
+    output_tokens: Span,
+    /// Mean think time between a response and the next turn, ms (synthetic workload).
+    #[arg(long, default_value_t = DEFAULT_THINK_MS, value_name = "MS")]
+    think_ms: f64,
+    /// kvroute policy file (JSON or YAML); default: kvroute's default policy.
+    #[arg(long, value_name = "FILE")]
+    policy: Option<PathBuf>,
+    /// Policies to compare, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "round-robin,least-loaded,kvroute", value_name = "LIST")]
+    policies: Vec<PolicyKind>,
+    /// Where to write the SVG chart.
+    #[arg(long, default_value = "kvroute-sim.svg", value_name = "PATH")]
+    svg: PathBuf,
+    /// Do not write the SVG chart.
+    #[arg(long)]
+    no_svg: bool,
+    /// Also write the full results as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Metrics push interval to the router, ms of simulated time.
+    #[arg(long, default_value_t = DEFAULT_METRICS_INTERVAL_MS, value_name = "MS")]
+    metrics_interval_ms: u64,
+    /// True prefix-cache capacity per endpoint, tokens.
+    #[arg(long, default_value_t = DEFAULT_CACHE_TOKENS, value_name = "TOKENS")]
+    cache_tokens: u64,
+    /// KV memory per endpoint for running requests, tokens: the denominator of the kv_usage
+    /// metric pushed to the router [default: --cache-tokens].
+    #[arg(long, value_name = "TOKENS")]
+    kv_tokens: Option<u64>,
+    /// Prefill throughput per endpoint, tokens per second.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_TOKENS_PER_S, value_name = "TOK_S")]
+    prefill_tps: f64,
+    /// Time per output token of a lone request, ms.
+    #[arg(long, default_value_t = DEFAULT_TPOT_MS, value_name = "MS")]
+    tpot_ms: f64,
+    /// Small run (80 sessions unless --sessions is given).
+    #[arg(long)]
+    quick: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let mut msg = format!("kvroute-sim: error: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                let cause = s.to_string();
+                if !msg.contains(&cause) {
+                    msg.push_str(&format!("\n  caused by: {cause}"));
+                }
+                source = s.source();
+            }
+            eprintln!("{msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), SimError> {
+    let started = Instant::now();
+    let policy = match &args.policy {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+            Policy::from_str_auto(&text)?
+        }
+        None => Policy::default(),
+    };
+    let policy_name = args.policy.as_ref().map_or_else(|| "default".to_owned(), |p| p.display().to_string());
+    let cluster = ClusterConfig {
+        endpoints: args.endpoints,
+        cache_tokens: args.cache_tokens,
+        kv_tokens: args.kv_tokens,
+        prefill_tokens_per_s: args.prefill_tps,
+        prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
+        tpot_ms: args.tpot_ms,
+        batch_reference: DEFAULT_BATCH_REFERENCE,
+        metrics_interval_ms: args.metrics_interval_ms,
+    };
+    cluster.validate()?;
+
+    let (workload, description) = match &args.trace {
+        Some(path) => (load_trace(path)?, format!("trace {}", path.display())),
+        None => {
+            let cfg = SyntheticConfig {
+                tenants: args.tenants,
+                sessions: args.sessions.unwrap_or(if args.quick { QUICK_SESSIONS } else { DEFAULT_SESSIONS }),
+                turns: args.turns,
+                rate_per_s: args.rate,
+                seed: args.seed,
+                system_tokens: args.system_tokens,
+                user_tokens: args.user_tokens,
+                output_tokens: args.output_tokens,
+                think_ms: args.think_ms,
+                ..Default::default()
+            };
+            (synthetic(&cfg)?, cfg.describe())
+        }
+    };
+    if let Some(path) = &args.write_trace {
+        save_trace(path, &workload)?;
+        eprintln!("kvroute-sim: wrote {} requests to {}", workload.len(), path.display());
+    }
+    let requests = prepare(workload, &policy.config().request)?;
+
+    let n = requests.len();
+    let prompt_tokens: u64 = requests.iter().map(|r| r.prompt_tokens).sum();
+    let span_s = requests.last().map_or(0.0, |r| r.arrival_ms as f64 / 1000.0).max(1e-3);
+    let capacity = f64::from(cluster.endpoints) * cluster.prefill_tokens_per_s;
+    let session_header = &policy.config().request.session_header;
+    let sessions: std::collections::HashSet<&str> = requests
+        .iter()
+        .filter_map(|r| r.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(session_header)))
+        .map(|(_, v)| v.as_str())
+        .collect();
+    println!("kvroute-sim");
+    println!("  {description}");
+    println!("  {}", cluster.describe());
+    println!(
+        "  {n} requests over {span_s:.0} s{}; mean prompt {:.0} tokens; prefill demand with no cache hits {:.0}% of cluster capacity; kvroute policy: {policy_name}",
+        if sessions.is_empty() { String::new() } else { format!(" in {} sessions", sessions.len()) },
+        prompt_tokens as f64 / n as f64,
+        100.0 * prompt_tokens as f64 / span_s / capacity,
+    );
+    println!();
+
+    let mut progress = |p: &kvroute_benches::Progress<'_>| {
+        eprintln!(
+            "  [{:<12}] {:>3}%  {}/{} requests routed, sim time {:.1} s",
+            p.policy,
+            p.done * 100 / p.total.max(1),
+            p.done,
+            p.total,
+            p.sim_ms / 1000.0
+        );
+    };
+    let reports = compare(&requests, &cluster, &args.policies, &policy, &mut progress)?;
+
+    print!("{}", report::table(&reports));
+    for r in &reports {
+        let extra = r.summary.as_ref().map_or_else(String::new, |s| format!("; {s}"));
+        println!("  {}: prefill busy {:.0}% of cluster capacity{extra}", r.policy, r.prefill_utilization * 100.0);
+        if r.unrouted > 0 {
+            println!("  {}: {} requests not routed (shed)", r.policy, r.unrouted);
+        }
+    }
+    if let Some(k) = reports.iter().find(|r| r.policy == PolicyKind::Kvroute.name()) {
+        for other in reports.iter().filter(|r| r.policy != k.policy) {
+            println!("  {}", versus(k, other));
+        }
+    }
+    if !args.no_svg {
+        let title = format!("kvroute-sim: {n} requests on {} endpoints", cluster.endpoints);
+        let chart = svg::render(&reports, &title, &[&description, &cluster.describe()]);
+        std::fs::write(&args.svg, chart)
+            .map_err(|e| SimError::Io { path: args.svg.display().to_string(), source: e })?;
+        println!("chart: {}", args.svg.display());
+    }
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({ "workload": description, "cluster": cluster, "requests": n, "reports": reports });
+        let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        std::fs::write(path, text).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+        println!("results: {}", path.display());
+    }
+    eprintln!("kvroute-sim: done in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn versus(k: &PolicyReport, other: &PolicyReport) -> String {
+    let change = |a: f64, b: f64| if b > 0.0 { format!("{:+.0}%", (a / b - 1.0) * 100.0) } else { "n/a".into() };
+    format!(
+        "kvroute vs {}: hit ratio {:+.1} pts, TTFT p50 {}, p90 {}, p99 {}",
+        other.policy,
+        (k.hit_ratio - other.hit_ratio) * 100.0,
+        change(k.ttft_p50_ms, other.ttft_p50_ms),
+        change(k.ttft_p90_ms, other.ttft_p90_ms),
+        change(k.ttft_p99_ms, other.ttft_p99_ms),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn lists_and_ranges_parse() {
+        let a = Args::try_parse_from(["kvroute-sim", "--policies", "kvroute,round-robin", "--turns", "3-5", "--quick"])
+            .map_err(|e| e.to_string());
+        let a = match a {
+            Ok(a) => a,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(a.policies, [PolicyKind::Kvroute, PolicyKind::RoundRobin]);
+        assert_eq!(a.turns, Span::new(3, 5));
+        assert!(a.quick && a.sessions.is_none());
+        assert!(Args::try_parse_from(["kvroute-sim", "--policies", "random"]).is_err());
+        assert!(Args::try_parse_from(["kvroute-sim", "--turns", "5-3"]).is_err());
+    }
+}
