@@ -5,7 +5,8 @@ use crate::decision::Shed;
 use crate::endpoints::EndpointState;
 use crate::score::metrics_fresh;
 
-/// Saturation of one endpoint: `max(waiting / queue_threshold, kv_usage / kv_threshold)`, or 1.0
+/// Saturation of one endpoint (the pool's saturation is the mean over healthy decode-capable
+/// endpoints): `max(waiting / queue_threshold, kv_usage / kv_threshold)`, or 1.0
 /// when its metrics are stale or missing (an endpoint we cannot see is assumed full).
 pub(crate) fn endpoint_saturation(cfg: &PolicyConfig, ep: &EndpointState, now_ms: u64) -> f64 {
     match &ep.metrics {
@@ -14,24 +15,6 @@ pub(crate) fn endpoint_saturation(cfg: &PolicyConfig, ep: &EndpointState, now_ms
             (f64::from(m.waiting) / a.queue_threshold).max(m.kv_usage / a.kv_threshold)
         }
         _ => 1.0,
-    }
-}
-
-/// Mean saturation over the given endpoints (0 when there are none).
-pub(crate) fn pool_saturation<'a>(
-    cfg: &PolicyConfig,
-    pool: impl Iterator<Item = &'a EndpointState>,
-    now_ms: u64,
-) -> f64 {
-    let (mut sum, mut n) = (0.0, 0u32);
-    for ep in pool {
-        sum += endpoint_saturation(cfg, ep, now_ms);
-        n += 1;
-    }
-    if n == 0 {
-        0.0
-    } else {
-        sum / f64::from(n)
     }
 }
 
@@ -75,8 +58,6 @@ mod tests {
         assert_eq!(endpoint_saturation(&cfg, &ep(m(0, 0.4)), 1000), 0.5);
         assert_eq!(endpoint_saturation(&cfg, &ep(m(0, 0.4)), 5000), 1.0, "stale");
         assert_eq!(endpoint_saturation(&cfg, &ep(None), 0), 1.0, "missing");
-        let pool = [ep(m(10, 0.1)), ep(m(0, 0.0))];
-        assert_eq!(pool_saturation(&cfg, pool.iter(), 1000), 1.0);
         assert!(admit(&cfg, 1.0, -1).is_some());
         assert!(admit(&cfg, 1.0, 0).is_none());
         assert!(admit(&cfg, 0.99, -5).is_none());

@@ -271,11 +271,23 @@ pub struct Decision {
     pub relaxed_filters: bool,
     /// The transfer-tax estimate, when the disaggregation rule was evaluated.
     pub transfer: Option<TransferEstimate>,
-    /// Every endpoint's score breakdown, in endpoint-id order.
+    /// Every registered endpoint at decision time, in id order.
+    pub endpoints: Arc<[Arc<str>]>,
+    /// Score breakdowns: `scores[i]` belongs to `endpoints[i]`.
     pub scores: Vec<EndpointScore>,
 }
 
 impl Decision {
+    /// The score breakdown of one endpoint.
+    pub fn score(&self, endpoint: &str) -> Option<&EndpointScore> {
+        self.endpoints.iter().position(|e| &**e == endpoint).and_then(|i| self.scores.get(i))
+    }
+
+    /// (endpoint id, score breakdown) pairs in id order.
+    pub fn breakdown(&self) -> impl Iterator<Item = (&str, &EndpointScore)> + '_ {
+        self.endpoints.iter().map(|e| &**e).zip(&self.scores)
+    }
+
     /// The value of a header the decision sets.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_str())

@@ -105,12 +105,27 @@ pub(crate) struct EndpointState {
 
 /// The endpoint table. Endpoints live in numbered slots (the index refers to slots); iteration is
 /// in id order so decisions do not depend on registration order.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct EndpointTable {
     slots: Vec<Option<EndpointState>>,
     by_id: BTreeMap<Arc<str>, u16>,
     order: Vec<u16>,
+    /// Ids in `order`'s order, shared with every decision (one reference count per decision
+    /// instead of one per endpoint).
+    roster: Arc<[Arc<str>]>,
     incarnations: u32,
+}
+
+impl Default for EndpointTable {
+    fn default() -> Self {
+        EndpointTable {
+            slots: Vec::new(),
+            by_id: BTreeMap::new(),
+            order: Vec::new(),
+            roster: Arc::from(Vec::new()),
+            incarnations: 0,
+        }
+    }
 }
 
 /// Validate an `ip:port` endpoint id.
@@ -145,6 +160,11 @@ impl EndpointTable {
     /// Slots in id order.
     pub fn order(&self) -> &[u16] {
         &self.order
+    }
+
+    /// Ids in id order (aligned with `order`).
+    pub fn roster(&self) -> &Arc<[Arc<str>]> {
+        &self.roster
     }
 
     /// Insert a new endpoint in a free slot accepted by `reusable` (or a fresh one); returns the
@@ -189,6 +209,7 @@ impl EndpointTable {
     fn rebuild_order(&mut self) {
         self.order.clear();
         self.order.extend(self.by_id.values().copied());
+        self.roster = self.by_id.keys().cloned().collect();
     }
 }
 

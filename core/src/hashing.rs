@@ -7,7 +7,7 @@
 //! ```text
 //! seed  = xxh3_64(model ‖ 0xff ‖ salt-flag ‖ cache_salt ‖ kind, index.hash_seed)
 //! key_0 = mix(seed, rapidhash_v3(block_0)),   key_k = mix(key_{k-1}, rapidhash_v3(block_k))
-//! mix(p, b) = xxh3_64_with_seed(b as 8 LE bytes, p)
+//! mix(p, b) = lo ^ hi of the 128-bit product (p ⊕ c1)·(b ⊕ c2)
 //! ```
 //!
 //! Block contents are hashed with rapidhash v3 (a versioned, portable algorithm: the same keys on
@@ -61,9 +61,12 @@ impl RequestKeys {
     }
 }
 
+/// Chain step: a folded 64×64→128-bit multiply of the parent key and the block hash, each
+/// offset by a constant (the combining step of wyhash/rapidhash).
 #[inline]
 fn mix(parent: u64, block_hash: u64) -> u64 {
-    match xxh3_64_with_seed(&block_hash.to_le_bytes(), parent) {
+    let m = u128::from(parent ^ 0xa076_1d64_78bd_642f) * u128::from(block_hash ^ 0xe703_7ed1_a0b4_28db);
+    match (m as u64) ^ ((m >> 64) as u64) {
         0 => 1,
         k => k,
     }

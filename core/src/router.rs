@@ -423,11 +423,19 @@ impl Router {
         let session_ref = session_key.and_then(|k| st.sessions.peek(&k).copied()).filter(|r| st.live_ref(*r));
 
         let total_blocks = keys.keys.len();
-        let mut scores: Vec<EndpointScore> = Vec::with_capacity(st.endpoints.len());
+        let roster = st.endpoints.roster().clone();
+        let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
         let mut slots = std::mem::take(&mut st.slots_buf);
         slots.clear();
+        let (mut saturation_sum, mut pool_size) = (0.0, 0u32);
         for &slot in st.endpoints.order() {
-            let Some(ep) = st.endpoints.get(slot) else { continue };
+            slots.push(slot);
+            let Some(ep) = st.endpoints.get(slot) else {
+                // Unreachable (order only lists occupied slots); keep scores aligned with the
+                // roster and never pick it.
+                scores.push(EndpointScore::unavailable());
+                continue;
+            };
             let f = FeatureInputs {
                 matched_blocks: st.matched.get(slot as usize).copied().unwrap_or(0),
                 total_blocks,
@@ -435,27 +443,25 @@ impl Router {
                 session_here: session_ref.is_some_and(|r| r.slot == slot),
                 now_ms,
             };
-            scores.push(score::score_endpoint(cfg, ep, &f));
-            slots.push(slot);
+            let s = score::score_endpoint(cfg, ep, &f);
+            if ep.role.decodes() && ep.healthy {
+                saturation_sum += admission::endpoint_saturation(cfg, ep, now_ms);
+                pool_size += 1;
+            }
+            scores.push(s);
         }
 
         let mut cands = std::mem::take(&mut st.cands_buf);
         let relaxed_decode = score::candidates(&scores, Role::decodes, &mut cands);
         st.draws = st.draws.wrapping_add(1);
-        let Some(d) = score::pick(&cfg.scoring.picker, &scores, &cands, keys.anchor, st.draws) else {
+        let Some(d) = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor, st.draws) else {
             st.counters.route_errors += 1;
             st.slots_buf = slots;
             st.cands_buf = cands;
             return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
         };
         let d_slot = slots[d];
-
-        let decode_pool = slots
-            .iter()
-            .zip(&scores)
-            .filter(|(_, s)| s.role.decodes() && s.filtered != Some(score::FilterReason::Unhealthy))
-            .filter_map(|(&slot, _)| st.endpoints.get(slot));
-        let saturation = admission::pool_saturation(cfg, decode_pool, now_ms);
+        let saturation = if pool_size == 0 { 0.0 } else { saturation_sum / f64::from(pool_size) };
         let judgment =
             decision::judge(&cfg.modes, &req.hint, input_tokens, req.effective_max_tokens(), scores[d].prefix_hit);
         let block_tokens = |blocks: u32| (u64::from(blocks) * u64::from(cfg.index.block_tokens)).min(input_tokens);
@@ -482,6 +488,7 @@ impl Router {
                 saturation,
                 relaxed_filters: relaxed_decode,
                 transfer: None,
+                endpoints: roster,
                 scores,
             });
         }
@@ -489,7 +496,7 @@ impl Router {
         let mut relaxed = relaxed_decode;
         let prefill = {
             let relaxed_p = score::candidates(&scores, |r| r == Role::Prefill, &mut cands);
-            let p = score::pick(&cfg.scoring.picker, &scores, &cands, keys.anchor ^ 0x5046, st.draws);
+            let p = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor ^ 0x5046, st.draws);
             relaxed |= relaxed_p && p.is_some();
             p
         };
@@ -534,8 +541,8 @@ impl Router {
         drop(guard);
         let (d, prefill) = (d_index, prefill_index);
 
-        let endpoint = scores[d].endpoint.clone();
-        let prefill_endpoint = prefill.map(|p| scores[p].endpoint.clone());
+        let endpoint = roster[d].clone();
+        let prefill_endpoint = prefill.map(|p| roster[p].clone());
         let mut headers = Vec::with_capacity(4);
         headers.push((decision::HEADER_DESTINATION, endpoint.to_string()));
         if let Some(p) = &prefill_endpoint {
@@ -564,6 +571,7 @@ impl Router {
             saturation,
             relaxed_filters: relaxed,
             transfer,
+            endpoints: roster,
             scores,
         })
     }

@@ -21,11 +21,10 @@ pub enum FilterReason {
     Unhealthy,
 }
 
-/// One endpoint's score breakdown in a decision.
+/// One endpoint's score breakdown in a decision (`Decision::scores[i]` belongs to
+/// `Decision::endpoints[i]`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EndpointScore {
-    /// Endpoint id.
-    pub endpoint: Arc<str>,
     /// Its role.
     pub role: Role,
     /// Set when a filter removed it (it may still have been used if the filter was relaxed).
@@ -46,6 +45,24 @@ pub struct EndpointScore {
     pub inflight: f64,
     /// The weighted total.
     pub total: f64,
+}
+
+impl EndpointScore {
+    /// A placeholder that is never picked.
+    pub(crate) fn unavailable() -> Self {
+        EndpointScore {
+            role: Role::Prefill,
+            filtered: Some(FilterReason::Unhealthy),
+            matched_blocks: 0,
+            prefix_hit: 0.0,
+            lora: 0.0,
+            queue: 0.0,
+            kv_usage: 0.0,
+            session: 0.0,
+            inflight: 0.0,
+            total: f64::NEG_INFINITY,
+        }
+    }
 }
 
 /// Inputs for one endpoint's score.
@@ -101,7 +118,6 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
         None
     };
     EndpointScore {
-        endpoint: ep.id.clone(),
         role: ep.role,
         filtered,
         matched_blocks: f.matched_blocks,
@@ -146,19 +162,20 @@ pub(crate) fn candidates(scores: &[EndpointScore], in_pool: impl Fn(Role) -> boo
 /// generator deterministically).
 pub(crate) fn pick(
     picker: &PickerConfig,
+    ids: &[Arc<str>],
     scores: &[EndpointScore],
     cands: &[usize],
     anchor: u64,
     draw: u64,
 ) -> Option<usize> {
     match picker {
-        PickerConfig::MaxScore => max_score(scores, cands, anchor),
+        PickerConfig::MaxScore => max_score(ids, scores, cands, anchor),
         PickerConfig::WeightedRandom { seed, temperature } => {
             let max = cands.iter().map(|&i| scores[i].total).fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = cands.iter().map(|&i| ((scores[i].total - max) / temperature).exp()).collect();
             let sum: f64 = weights.iter().sum();
             if !(sum.is_finite() && sum > 0.0) {
-                return max_score(scores, cands, anchor);
+                return max_score(ids, scores, cands, anchor);
             }
             let u = unit_f64(splitmix64(seed ^ draw.wrapping_mul(0x9E37_79B9_7F4A_7C15))) * sum;
             let mut acc = 0.0;
@@ -175,8 +192,8 @@ pub(crate) fn pick(
 
 const TIE_EPSILON: f64 = 1e-9;
 
-fn max_score(scores: &[EndpointScore], cands: &[usize], anchor: u64) -> Option<usize> {
-    let rendezvous = |i: usize| xxh3_64_with_seed(scores[i].endpoint.as_bytes(), anchor);
+fn max_score(ids: &[Arc<str>], scores: &[EndpointScore], cands: &[usize], anchor: u64) -> Option<usize> {
+    let rendezvous = |i: usize| xxh3_64_with_seed(ids[i].as_bytes(), anchor);
     let (&first, rest) = cands.split_first()?;
     // (index, rendezvous hash computed only once a tie needs it)
     let mut best = (first, None::<u64>);
@@ -210,9 +227,12 @@ fn unit_f64(x: u64) -> f64 {
 mod tests {
     use super::*;
 
-    fn s(id: &str, total: f64) -> EndpointScore {
+    fn ids(n: &[&str]) -> Vec<Arc<str>> {
+        n.iter().map(|s| Arc::from(*s)).collect()
+    }
+
+    fn s(_id: &str, total: f64) -> EndpointScore {
         EndpointScore {
-            endpoint: Arc::from(id),
             role: Role::Decode,
             filtered: None,
             matched_blocks: 0,
@@ -229,29 +249,31 @@ mod tests {
     #[test]
     fn max_score_and_rendezvous_ties() {
         let scores = vec![s("a:1", 0.5), s("b:1", 0.7), s("c:1", 0.7)];
+        let id = ids(&["a:1", "b:1", "c:1"]);
         let p = PickerConfig::MaxScore;
-        let winner = pick(&p, &scores, &[0, 1, 2], 42, 0).unwrap();
+        let winner = pick(&p, &id, &scores, &[0, 1, 2], 42, 0).unwrap();
         assert!(winner == 1 || winner == 2);
-        assert_eq!(pick(&p, &scores, &[0, 1, 2], 42, 5), Some(winner), "deterministic");
-        assert_eq!(pick(&p, &scores, &[2, 1, 0], 42, 0), Some(winner), "independent of order");
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 42, 5), Some(winner), "deterministic");
+        assert_eq!(pick(&p, &id, &scores, &[2, 1, 0], 42, 0), Some(winner), "independent of order");
         // Different anchors spread ties over both.
         let picks: std::collections::BTreeSet<usize> =
-            (0..64).map(|a| pick(&p, &scores, &[0, 1, 2], a, 0).unwrap()).collect();
+            (0..64).map(|a| pick(&p, &id, &scores, &[0, 1, 2], a, 0).unwrap()).collect();
         assert_eq!(picks, [1, 2].into_iter().collect());
-        assert_eq!(pick(&p, &scores, &[], 1, 0), None);
+        assert_eq!(pick(&p, &id, &scores, &[], 1, 0), None);
     }
 
     #[test]
     fn weighted_random_follows_softmax() {
         let scores = vec![s("a:1", 1.0), s("b:1", 0.0)];
+        let id = ids(&["a:1", "b:1"]);
         let p = PickerConfig::WeightedRandom { seed: 9, temperature: 0.5 };
         let n = 20_000;
-        let a = (0..n).filter(|&d| pick(&p, &scores, &[0, 1], 0, d) == Some(0)).count();
+        let a = (0..n).filter(|&d| pick(&p, &id, &scores, &[0, 1], 0, d) == Some(0)).count();
         let expect = 1.0 / (1.0 + (-2.0f64).exp());
         let got = a as f64 / n as f64;
         assert!((got - expect).abs() < 0.02, "{got} vs {expect}");
-        let seq1: Vec<_> = (0..50).map(|d| pick(&p, &scores, &[0, 1], 0, d)).collect();
-        let seq2: Vec<_> = (0..50).map(|d| pick(&p, &scores, &[0, 1], 0, d)).collect();
+        let seq1: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d)).collect();
+        let seq2: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d)).collect();
         assert_eq!(seq1, seq2, "seeded: same sequence");
     }
 

@@ -15,13 +15,12 @@ fn golden_dir() -> PathBuf {
 fn view(d: &Decision) -> Value {
     let headers: Map<String, Value> = d.headers.iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect();
     let filtered: Map<String, Value> =
-        d.scores.iter().map(|s| (s.endpoint.to_string(), serde_json::to_value(s.filtered).unwrap())).collect();
+        d.breakdown().map(|(e, s)| (e.to_owned(), serde_json::to_value(s.filtered).unwrap())).collect();
     let scores: Map<String, Value> = d
-        .scores
-        .iter()
-        .map(|s| {
+        .breakdown()
+        .map(|(e, s)| {
             (
-                s.endpoint.to_string(),
+                e.to_owned(),
                 json!({
                     "matched_blocks": s.matched_blocks, "prefix_hit": s.prefix_hit, "lora": s.lora,
                     "queue": s.queue, "kv_usage": s.kv_usage, "session": s.session,

@@ -36,7 +36,7 @@ fn cached_vs_idle(policy: &str, queue: u32) -> (bool, f64) {
     router.update_metrics(&cached, metrics(queue, 10)).unwrap();
     router.update_metrics(idle, metrics(0, 10)).unwrap();
     let next = router.route_http(body.as_bytes(), [("x", "y")], 10).unwrap();
-    let hit = next.scores.iter().find(|s| s.endpoint == cached).unwrap().prefix_hit;
+    let hit = next.score(&cached).unwrap().prefix_hit;
     (next.endpoint.unwrap() == cached, hit)
 }
 
