@@ -423,6 +423,7 @@ impl Router {
         let session_ref = session_key.and_then(|k| st.sessions.peek(&k).copied()).filter(|r| st.live_ref(*r));
 
         let total_blocks = keys.keys.len();
+        let hit_per_block = if total_blocks == 0 { 0.0 } else { cfg.index.tier_weights.gpu / total_blocks as f64 };
         let roster = st.endpoints.roster().clone();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
         let mut slots = std::mem::take(&mut st.slots_buf);
@@ -438,7 +439,7 @@ impl Router {
             };
             let f = FeatureInputs {
                 matched_blocks: st.matched.get(slot as usize).copied().unwrap_or(0),
-                total_blocks,
+                hit_per_block,
                 lora_adapter: req.lora_adapter.as_deref(),
                 session_here: session_ref.is_some_and(|r| r.slot == slot),
                 now_ms,

@@ -20,9 +20,9 @@
 //!
 //! Dead records are reclaimed by an incremental sweeper that walks the table a bounded number of
 //! buckets: four per new membership (so dead records stay a bounded fraction of the table) plus
-//! `buckets / 2048 + 1` per generation advance, so a whole pass completes within 2048 advances —
-//! far inside the 2^19-generation stamp window, which makes stamp wrap-around impossible to
-//! observe.
+//! `buckets / 65536 + 1` per generation advance, so a whole pass completes within 65,536
+//! advances of any endpoints — inside the 2^19-generation stamp window (8x margin), which makes
+//! stamp wrap-around impossible to observe.
 //!
 //! # Memory
 //! A key with one holder costs one 8-byte bucket (at load ≤ 7/8); each further holder costs 4
@@ -38,7 +38,7 @@ const STAMP_BITS: u32 = 19;
 const STAMP_MASK: u32 = (1 << STAMP_BITS) - 1;
 /// Largest slot number a record can carry.
 pub const MAX_SLOTS: usize = 1 << 12;
-const SWEEP_DIVISOR: usize = 2048;
+const SWEEP_DIVISOR: usize = 65_536;
 const SWEEP_PER_BIRTH: usize = 4;
 
 #[derive(Clone, Debug)]
@@ -95,6 +95,12 @@ pub struct ApproxIndex {
     cursor: usize,
     sweep_debt: usize,
     passes: u64,
+}
+
+/// Slice equality without a `memcmp` call for the short postings that dominate.
+#[inline]
+fn same_records(a: &[u32], b: &[u32]) -> bool {
+    a.len() == b.len() && if a.len() <= 8 { a.iter().zip(b).all(|(x, y)| x == y) } else { a == b }
 }
 
 #[inline]
@@ -249,7 +255,7 @@ impl ApproxIndex {
     fn touch(&mut self, key: BlockKey, slot: usize) {
         let stamp = self.slots[slot].gen & STAMP_MASK;
         let rec = ((slot as u32) << STAMP_BITS) | stamp;
-        let old = self.table.upsert(key, |r| rec_slot(r) == slot, rec);
+        let old = self.table.upsert(key, rec, |r| r >> STAMP_BITS);
         let was_live = old.is_some_and(|o| is_live(&self.slots, o));
         let s = &mut self.slots[slot];
         let cur = (s.gen % GENERATIONS) as usize;
@@ -288,50 +294,65 @@ impl ApproxIndex {
         }
     }
 
+    /// Walks the sequence once. `alive` holds the slots that matched every block so far; a slot
+    /// that drops out at block `k` is credited `k` blocks, the survivors the whole length. Along a
+    /// chain, consecutive blocks usually have the very same holder records (they were touched
+    /// together), which is detected by comparing the record slices and costs no per-holder work.
     fn match_sequence(&self, seq: &[BlockKey], out: &mut [u32], scratch: &mut MatchScratch) {
         let Some((&first, rest)) = seq.split_first() else { return };
         let slots = &self.slots;
         scratch.alive.clear();
-        for &r in self.table.records(first).as_slice() {
+        let mut prev = self.table.records(first);
+        for &r in prev.as_slice() {
             if is_live(slots, r) {
-                let s = rec_slot(r);
-                scratch.alive.push(s as u16);
-                out[s] += 1;
+                scratch.alive.push(rec_slot(r) as u16);
             }
         }
+        let mut matched = 1u32;
         for &key in rest {
             if scratch.alive.is_empty() {
                 break;
             }
-            let recs = self.table.records(key);
-            let recs = recs.as_slice();
+            let cur = self.table.records(key);
+            let recs = cur.as_slice();
             if recs.is_empty() {
                 break;
             }
+            if same_records(recs, prev.as_slice()) {
+                matched += 1;
+                continue;
+            }
             if scratch.alive.len() == 1 {
                 let s = scratch.alive[0] as usize;
-                if recs.iter().any(|&r| rec_slot(r) == s && is_live(slots, r)) {
-                    out[s] += 1;
-                    continue;
+                if !recs.iter().any(|&r| rec_slot(r) == s && is_live(slots, r)) {
+                    break;
                 }
-                break;
-            }
-            scratch.epoch = scratch.epoch.wrapping_add(1);
-            if scratch.epoch == 0 {
-                scratch.seen.iter_mut().for_each(|e| *e = 0);
-                scratch.epoch = 1;
-            }
-            let epoch = scratch.epoch;
-            for &r in recs {
-                if is_live(slots, r) {
-                    scratch.seen[rec_slot(r)] = epoch;
+            } else {
+                scratch.epoch = scratch.epoch.wrapping_add(1);
+                if scratch.epoch == 0 {
+                    scratch.seen.iter_mut().for_each(|e| *e = 0);
+                    scratch.epoch = 1;
                 }
+                let epoch = scratch.epoch;
+                for &r in recs {
+                    if is_live(slots, r) {
+                        scratch.seen[rec_slot(r)] = epoch;
+                    }
+                }
+                let seen = &scratch.seen;
+                scratch.alive.retain(|&s| {
+                    let keep = seen[s as usize] == epoch;
+                    if !keep {
+                        out[s as usize] += matched;
+                    }
+                    keep
+                });
             }
-            let seen = &scratch.seen;
-            scratch.alive.retain(|&s| seen[s as usize] == epoch);
-            for &s in &scratch.alive {
-                out[s as usize] += 1;
-            }
+            matched += 1;
+            prev = cur;
+        }
+        for &s in &scratch.alive {
+            out[s as usize] += matched;
         }
     }
 

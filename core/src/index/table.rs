@@ -179,32 +179,39 @@ impl PostingTable {
         }
     }
 
-    /// Replace the record matching `same` in `key`'s set with `rec`, returning the old one, or
-    /// add `rec` (and the key) and return `None`.
-    pub(crate) fn upsert(&mut self, key: u64, same: impl Fn(u32) -> bool, rec: u32) -> Option<u32> {
+    /// Replace the record of the same owner (`owner(r) == owner(rec)`) in `key`'s set with
+    /// `rec`, returning the old one, or add `rec` (and the key) and return `None`.
+    ///
+    /// Chunks are kept sorted by record value; `owner` must be monotonic in the record value
+    /// (records are owner-major), so the owner is found by binary search.
+    pub(crate) fn upsert(&mut self, key: u64, rec: u32, owner: impl Fn(u32) -> u32) -> Option<u32> {
         debug_assert_eq!(rec & CHUNK_FLAG, 0);
+        let who = owner(rec);
         if let Some(i) = self.find(key) {
             let head = self.buckets[i].head();
             if head & CHUNK_FLAG == 0 {
-                if same(head) {
+                if owner(head) == who {
                     self.buckets[i].set_head(rec);
                     return Some(head);
                 }
                 let c = self.alloc(0);
                 self.arena[c] = 2; // class 0, len 2
-                self.arena[c + 1] = head;
-                self.arena[c + 2] = rec;
+                let (a, b) = if head < rec { (head, rec) } else { (rec, head) };
+                self.arena[c + 1] = a;
+                self.arena[c + 2] = b;
                 self.buckets[i].set_head(CHUNK_FLAG | c as u32);
                 return None;
             }
             let c = (head & !CHUNK_FLAG) as usize;
             let len = (self.arena[c] & 0xffff) as usize;
-            if let Some(pos) = self.arena[c + 1..c + 1 + len].iter().position(|&r| same(r)) {
-                return Some(std::mem::replace(&mut self.arena[c + 1 + pos], rec));
-            }
+            let pos = match self.arena[c + 1..c + 1 + len].binary_search_by_key(&who, |&r| owner(r)) {
+                Ok(pos) => return Some(std::mem::replace(&mut self.arena[c + 1 + pos], rec)),
+                Err(pos) => pos,
+            };
             let class = self.arena[c] >> 16;
             let c = if len == cap_of(class) { self.move_chunk(i, c, len, class + 1) } else { c };
-            self.arena[c + 1 + len] = rec;
+            self.arena.copy_within(c + 1 + pos..c + 1 + len, c + 2 + pos);
+            self.arena[c + 1 + pos] = rec;
             self.arena[c] += 1;
             return None;
         }
@@ -421,7 +428,7 @@ mod tests {
                     }
                 }
             } else {
-                let old = t.upsert(key, |r| slot(r) == s, rec);
+                let old = t.upsert(key, rec, slot);
                 let mold = model.entry(key).or_default().insert(s, rec);
                 assert_eq!(old, mold);
             }
@@ -452,14 +459,15 @@ mod tests {
     fn chunks_grow_and_shrink_and_are_reused() {
         let mut t = PostingTable::new();
         for s in 0..1000u32 {
-            assert_eq!(t.upsert(7, |r| slot(r) == s, s << 8), None);
+            assert_eq!(t.upsert(7, s << 8, slot), None);
         }
         assert_eq!(t.records(7).as_slice().len(), 1000);
+        assert!(t.records(7).as_slice().windows(2).all(|w| w[0] < w[1]), "chunks stay sorted");
         let arena_after_grow = t.arena.len();
         t.retain_key(7, |r| slot(r) < 3);
         assert_eq!(t.records(7).as_slice().len(), 3);
         for s in 3..1000u32 {
-            t.upsert(7, |r| slot(r) == s, s << 8);
+            t.upsert(7, s << 8, slot);
         }
         assert_eq!(t.records(7).as_slice().len(), 1000);
         assert!(t.arena.len() <= arena_after_grow * 2, "free lists are reused");
