@@ -47,11 +47,16 @@ fn router(n: usize, warm: usize) -> (Router, Vec<String>) {
         router.update_metrics(&id, m).unwrap();
     }
     let systems: Vec<String> = (0..16).map(|t| text(1000 + t, 2048 * 4)).collect();
+    let mut warm_ids = Vec::with_capacity(warm);
     for r in 0..warm {
         let tail = text(r as u64, PROMPT_BYTES - systems[0].len());
         let req = RouteRequest::text("llama", &format!("{}{}", systems[r % 16], tail));
-        let d = router.route(&req, NOW).unwrap();
-        router.complete(&d.request_id).unwrap();
+        // Kept in flight until the end of the warm-up, so the in-flight scorer spreads them as
+        // live traffic would (the metrics stay fixed during the bench).
+        warm_ids.push(router.route(&req, NOW).unwrap().request_id);
+    }
+    for id in warm_ids {
+        router.complete(&id).unwrap();
     }
     (router, systems)
 }
