@@ -4,7 +4,7 @@
 //! bytes per token, the router's pseudo-token size); each block's key hashes its content together
 //! with the key of the block before it (and the model and `cache_salt` for the first), so a block
 //! matches only when the whole prefix up to it matches. This is deliberately a different block size
-//! and hash from the router's approximate index (64-token blocks): the simulator measures the real
+//! and seed from the router's approximate index (64-token blocks): the simulator measures the real
 //! effect of routing, not the router's own belief.
 //!
 //! Eviction is LRU over blocks. A lookup touches the matched blocks and an insertion adds a
@@ -14,9 +14,9 @@
 use std::hash::{BuildHasherDefault, Hasher};
 use std::num::NonZeroUsize;
 
-use kvroute::Prompt;
+use kvroute::{ApproxHashing, Prompt};
 use lru::LruCache;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Tokens per cache block.
 pub const BLOCK_TOKENS: usize = 16;
@@ -39,40 +39,20 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// The chained block keys of one prompt sequence.
+/// The chained block keys of one prompt sequence: the core's chained-hash construction
+/// ([`ApproxHashing`]) at the engine's block size and with a seed of its own.
 pub fn chain(model: &str, cache_salt: Option<&str>, prompt: &Prompt) -> Vec<u64> {
-    let mut seed_src = Vec::with_capacity(model.len() + 40);
-    seed_src.extend_from_slice(model.as_bytes());
-    seed_src.push(0);
-    match cache_salt {
-        Some(s) => {
-            seed_src.push(1);
-            seed_src.extend_from_slice(s.as_bytes());
-        }
-        None => seed_src.push(0),
-    }
-    let mut parent = xxh3_64(&seed_src);
+    let h = ApproxHashing {
+        block_tokens: BLOCK_TOKENS as u32,
+        bytes_per_token: BYTES_PER_TOKEN as u32,
+        hash_seed: 0x7472_7574_6800, // "truth": never the router's seed
+    };
+    let mut out = Vec::new();
     match prompt {
-        Prompt::Text(bytes) => bytes
-            .chunks_exact(BLOCK_TOKENS * BYTES_PER_TOKEN)
-            .map(|b| {
-                parent = xxh3_64_with_seed(b, parent);
-                parent
-            })
-            .collect(),
-        Prompt::Tokens(ids) => {
-            let mut buf = Vec::with_capacity(BLOCK_TOKENS * 4);
-            parent ^= 0x746f_6b65_6e73; // token-id prompts never match text prompts
-            ids.chunks_exact(BLOCK_TOKENS)
-                .map(|b| {
-                    buf.clear();
-                    buf.extend(b.iter().flat_map(|t| t.to_le_bytes()));
-                    parent = xxh3_64_with_seed(&buf, parent);
-                    parent
-                })
-                .collect()
-        }
+        Prompt::Text(bytes) => h.chain_bytes(h.seed(model, cache_salt, false), bytes, &mut out),
+        Prompt::Tokens(ids) => h.chain_tokens(h.seed(model, cache_salt, true), ids, &mut out, &mut Vec::new()),
     }
+    out
 }
 
 /// An LRU prefix cache over blocks.

@@ -2,24 +2,28 @@
 //! workload the index bench uses. Prints the figure; bounds it so a regression fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
-use kvroute::ApproxIndex;
+use kvroute::{ApproxIndex, IndexStats};
 use kvroute_benches::indexload::{IndexWorkload, WorkloadShape};
 
-#[test]
-fn bytes_per_membership_on_shared_prefix_workload() {
-    let shape = WorkloadShape::for_endpoints(64);
-    let wl = IndexWorkload::generate(&shape, 7);
+fn measure(label: &str, shape: &WorkloadShape, seed: u64) -> (IndexStats, f64) {
+    let wl = IndexWorkload::generate(shape, seed);
     let mut ix = ApproxIndex::new(0, shape.capacity_per_endpoint);
     wl.fill(&mut ix);
     let st = ix.stats();
     let per = st.memory_bytes as f64 / st.memberships as f64;
     println!(
-        "W=64: placed {} memberships, live {}, {} keys, {} bytes: {per:.2} B/membership",
+        "{label}: placed {} memberships, live {}, {} keys, {} bytes: {per:.2} B/membership",
         wl.placed_memberships(),
         st.memberships,
         st.keys,
         st.memory_bytes
     );
+    (st, per)
+}
+
+#[test]
+fn bytes_per_membership_on_shared_prefix_workload() {
+    let (st, per) = measure("W=64", &WorkloadShape::for_endpoints(64), 7);
     assert!(st.memberships > 800_000, "{st:?}");
     assert!(per <= 16.0, "{per:.2} bytes per membership");
 }
@@ -30,15 +34,7 @@ fn bytes_per_membership_at_steady_state_with_eviction() {
     // records awaiting the sweeper count against memory too.
     let mut shape = WorkloadShape::for_endpoints(64);
     shape.capacity_per_endpoint /= 8;
-    let wl = IndexWorkload::generate(&shape, 11);
-    let mut ix = ApproxIndex::new(0, shape.capacity_per_endpoint);
-    wl.fill(&mut ix);
-    let st = ix.stats();
-    let per = st.memory_bytes as f64 / st.memberships as f64;
-    println!(
-        "W=64 steady state: live {}, {} keys, {} bytes: {per:.2} B/membership",
-        st.memberships, st.keys, st.memory_bytes
-    );
+    let (st, per) = measure("W=64 steady state", &shape, 11);
     assert!(st.memberships <= 64 * u64::from(shape.capacity_per_endpoint));
     assert!(per <= 16.0, "{per:.2} bytes per membership");
 }

@@ -229,18 +229,7 @@ mod tests {
     }
 
     fn s(_id: &str, total: f64) -> EndpointScore {
-        EndpointScore {
-            role: Role::Decode,
-            filtered: None,
-            matched_blocks: 0,
-            prefix_hit: 0.0,
-            lora: 0.0,
-            queue: 0.0,
-            kv_usage: 0.0,
-            session: 0.0,
-            inflight: 0.0,
-            total,
-        }
+        EndpointScore { role: Role::Decode, filtered: None, total, ..EndpointScore::unavailable() }
     }
 
     #[test]
