@@ -44,6 +44,7 @@ pub mod config;
 pub mod decision;
 pub mod endpoints;
 pub mod error;
+pub mod events;
 pub mod hashing;
 pub mod index;
 pub mod request;

@@ -15,7 +15,7 @@ use crate::decision::{self, Decision, Mode, ModeInputs, Rule};
 use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointTable, MetricsSnapshot, Role};
 use crate::error::{ConfigError, RouteError, StateError};
 use crate::hashing::{ApproxHashing, RequestKeys};
-use crate::index::{ApproxIndex, IndexStats, MatchScratch};
+use crate::index::{ApproxIndex, IndexStats, MatchScratch, MatchWeights, PrefixMatch};
 use crate::request::RouteRequest;
 use crate::score::{self, EndpointScore, FeatureInputs};
 
@@ -115,7 +115,7 @@ struct State {
     inflight: LruCache<String, Inflight, Xxh3DefaultBuilder>,
     next_request: u64,
     draws: u64,
-    matched: Vec<u32>,
+    matched: PrefixMatch,
     scratch: MatchScratch,
     slots_buf: Vec<u16>,
     cands_buf: Vec<usize>,
@@ -189,7 +189,7 @@ impl Router {
             inflight: LruCache::with_hasher(nz(limits.max_inflight_requests), Xxh3DefaultBuilder),
             next_request: 0,
             draws: 0,
-            matched: Vec::new(),
+            matched: PrefixMatch::default(),
             scratch: MatchScratch::default(),
             slots_buf: Vec::new(),
             cands_buf: Vec::new(),
@@ -416,7 +416,8 @@ impl Router {
         // reads nor writes the index (see `reload`).
         let index_valid = st.index.fingerprint() == active.fingerprint;
         if index_valid {
-            st.index.match_blocks(keys, &mut st.matched, &mut st.scratch);
+            let weights = MatchWeights::new(&cfg.index.tier_weights);
+            st.index.match_blocks(keys, &weights, &mut st.matched, &mut st.scratch);
         } else {
             st.matched.clear();
         }
@@ -438,7 +439,8 @@ impl Router {
                 continue;
             };
             let f = FeatureInputs {
-                matched_blocks: st.matched.get(slot as usize).copied().unwrap_or(0),
+                matched_blocks: st.matched.blocks.get(slot as usize).copied().unwrap_or(0),
+                weighted_blocks: st.matched.weighted.get(slot as usize).copied().unwrap_or(0.0),
                 hit_per_block,
                 lora_adapter: req.lora_adapter.as_deref(),
                 session_here: session_ref.is_some_and(|r| r.slot == slot),

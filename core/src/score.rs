@@ -68,7 +68,9 @@ impl EndpointScore {
 /// Inputs for one endpoint's score.
 pub(crate) struct FeatureInputs<'a> {
     pub matched_blocks: u32,
-    /// `tier_weights.gpu / request blocks` (0 when the request has no full block).
+    /// The matched blocks weighted by the tier each is held in.
+    pub weighted_blocks: f64,
+    /// `1 / request blocks` (0 when the request has no full block).
     pub hit_per_block: f64,
     pub lora_adapter: Option<&'a str>,
     pub session_here: bool,
@@ -82,7 +84,7 @@ pub(crate) fn metrics_fresh(ep: &EndpointState, cfg: &PolicyConfig, now_ms: u64)
 pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &FeatureInputs<'_>) -> EndpointScore {
     let s = &cfg.scoring;
     let fresh = metrics_fresh(ep, cfg, f.now_ms);
-    let prefix_hit = (f64::from(f.matched_blocks) * f.hit_per_block).min(cfg.index.tier_weights.gpu);
+    let prefix_hit = (f.weighted_blocks * f.hit_per_block).min(1.0);
     let (queue, kv_usage, lora) = match &ep.metrics {
         Some(m) => {
             let lora = match f.lora_adapter {

@@ -1,12 +1,16 @@
 //! Prefix indexes.
 //!
-//! - [`ApproxIndex`]: blocks assumed resident because the router sent a request there
-//!   (tokenizer-free, no engine events needed).
-//!
-//! Both index kinds answer the same question through [`ApproxIndex::match_blocks`]-shaped calls:
-//! for each endpoint slot, how many leading blocks of each prompt sequence does it hold?
+//! [`PrefixIndex`] answers, for each endpoint slot, how many leading blocks of each prompt
+//! sequence it holds and in which tier. Two instantiations:
+//! - [`ApproxIndex`]: blocks *assumed* resident because the router sent a request there
+//!   (tokenizer-free, no engine events needed; 8-byte fingerprint buckets);
+//! - `PrefixIndex<ExactBucket>`: the event-fed precise index's store (exact keys, tiers from the
+//!   engine's events, speculative entries).
 
-mod approx;
+mod prefix;
 mod table;
 
-pub use approx::{ApproxIndex, IndexStats, MatchScratch, GENERATIONS, MAX_SLOTS};
+pub use prefix::{
+    ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, GENERATIONS, MAX_SLOTS,
+};
+pub use table::{BucketKind, ExactBucket, FpBucket};

@@ -1,10 +1,16 @@
-//! The approximate prefix index: which endpoint was *assumed* (by our own routing) to hold which
-//! block, with a per-endpoint capacity and LRU-style eviction.
+//! The prefix index shared by both index kinds: which endpoint holds which block, in which tier,
+//! with a per-endpoint capacity and LRU-style eviction.
+//!
+//! - [`ApproxIndex`] = `PrefixIndex<FpBucket>`: blocks *assumed* resident because the router sent
+//!   a request there (8-byte fingerprint buckets).
+//! - The event-fed precise index uses `PrefixIndex<ExactBucket>` (exact 64-bit keys) and adds
+//!   tiers from the engine's events and speculative entries.
 //!
 //! # Structure
-//! One [`PostingTable`] maps a block key to the set of endpoints assumed to hold it. Each
-//! (block, endpoint) membership is a 31-bit record: the endpoint's slot (12 bits) and a
-//! generation stamp (19 bits).
+//! One posting table maps a block key to the set of endpoints holding it. Each (block, endpoint)
+//! membership is a 31-bit record: the endpoint's slot (12 bits), the tiers it is held in (GPU,
+//! CPU, STORAGE: 3 bits), a speculative flag, and a generation stamp (15 bits). Records are never
+//! 0 (a live record always has a tier or the speculative flag).
 //!
 //! # Eviction: generational LRU
 //! Each endpoint has a capacity `cap` (memberships, from the byte budget) and a generation counter.
@@ -20,25 +26,33 @@
 //!
 //! Dead records are reclaimed by an incremental sweeper that walks the table a bounded number of
 //! buckets: four per new membership (so dead records stay a bounded fraction of the table) plus
-//! `buckets / 65536 + 1` per generation advance, so a whole pass completes within 65,536
-//! advances of any endpoints — inside the 2^19-generation stamp window (8x margin), which makes
-//! stamp wrap-around impossible to observe.
+//! `buckets / 2048 + 1` per generation advance, so a whole pass completes within 2048 advances of
+//! any endpoints — inside the 2^15-generation stamp window (16x margin), which makes stamp
+//! wrap-around impossible to observe.
 //!
 //! # Memory
-//! A key with one holder costs one 8-byte bucket (at load ≤ 7/8); each further holder costs 4
-//! bytes in a size-classed arena chunk. See `memory_bytes` and the `index_memory` test for
+//! A key with one holder costs one bucket (8 bytes approximate, 12 exact; load ≤ 7/8); each
+//! further holder costs 4 bytes in a size-classed arena chunk. See `memory_bytes` and the `index_memory` test for
 //! measured bytes per membership.
 
-use super::table::PostingTable;
+use super::table::{BucketKind, FpBucket, PostingTable};
+use crate::config::TierWeights;
+use crate::events::Medium;
 use crate::hashing::{BlockKey, RequestKeys};
 
 /// Generations per endpoint (eviction granularity is `1/GENERATIONS` of the capacity).
 pub const GENERATIONS: u32 = 16;
-const STAMP_BITS: u32 = 19;
+const STAMP_BITS: u32 = 15;
 const STAMP_MASK: u32 = (1 << STAMP_BITS) - 1;
+const SPEC: u32 = 1 << 15;
+const GPU: u32 = 1 << 16;
+const CPU: u32 = 1 << 17;
+const STORAGE: u32 = 1 << 18;
+const TIERS: u32 = GPU | CPU | STORAGE;
+const SLOT_SHIFT: u32 = 19;
 /// Largest slot number a record can carry.
 pub const MAX_SLOTS: usize = 1 << 12;
-const SWEEP_DIVISOR: usize = 65_536;
+const SWEEP_DIVISOR: usize = 2048;
 const SWEEP_PER_BIRTH: usize = 4;
 
 #[derive(Clone, Debug)]
@@ -67,12 +81,87 @@ impl SlotState {
     }
 }
 
-/// Reusable buffers for [`ApproxIndex::match_blocks`].
+/// Reusable buffers for [`PrefixIndex::match_blocks`].
 #[derive(Debug, Default, Clone)]
 pub struct MatchScratch {
-    alive: Vec<u16>,
+    /// (slot, weight of its current run, block index where the run started)
+    alive: Vec<(u16, f64, u32)>,
     seen: Vec<u32>,
+    seen_weight: Vec<f64>,
     epoch: u32,
+}
+
+/// The tier bit of a medium.
+fn tier_bit(m: Medium) -> u32 {
+    match m {
+        Medium::Gpu => GPU,
+        Medium::Cpu => CPU,
+        Medium::Storage => STORAGE,
+    }
+}
+
+/// Per-tier weights resolved for matching: a record's weight is that of its best tier
+/// (speculative-only records count as GPU).
+#[derive(Debug, Clone, Copy)]
+pub struct MatchWeights {
+    gpu: f64,
+    cpu: f64,
+    storage: f64,
+}
+
+impl MatchWeights {
+    /// From a policy's tier weights.
+    pub fn new(w: &TierWeights) -> Self {
+        MatchWeights { gpu: w.gpu, cpu: w.cpu, storage: w.storage }
+    }
+
+    #[inline]
+    fn of(&self, rec: u32) -> f64 {
+        if rec & (GPU | SPEC) != 0 {
+            self.gpu
+        } else if rec & CPU != 0 {
+            self.cpu
+        } else {
+            self.storage
+        }
+    }
+}
+
+/// What a slot holds of one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// In GPU memory.
+    pub gpu: bool,
+    /// Offloaded to CPU memory.
+    pub cpu: bool,
+    /// Offloaded to storage.
+    pub storage: bool,
+    /// Expected (a request was routed there) but not confirmed by an event.
+    pub speculative: bool,
+}
+
+/// Matched prefix per endpoint slot.
+#[derive(Debug, Default, Clone)]
+pub struct PrefixMatch {
+    /// Leading blocks held (any tier), summed over prompt sequences.
+    pub blocks: Vec<u32>,
+    /// The same blocks weighted by tier.
+    pub weighted: Vec<f64>,
+}
+
+impl PrefixMatch {
+    fn reset(&mut self, n: usize) {
+        self.blocks.clear();
+        self.blocks.resize(n, 0);
+        self.weighted.clear();
+        self.weighted.resize(n, 0.0);
+    }
+
+    /// Clear to "nothing matched".
+    pub fn clear(&mut self) {
+        self.blocks.clear();
+        self.weighted.clear();
+    }
 }
 
 /// Size and memory figures of an index.
@@ -86,9 +175,12 @@ pub struct IndexStats {
     pub memory_bytes: u64,
 }
 
-/// Approximate prefix index. Slots are the endpoint table's slot numbers.
-pub struct ApproxIndex {
-    table: PostingTable,
+/// The approximate index: keys stored as 32-bit fingerprints.
+pub type ApproxIndex = PrefixIndex<FpBucket>;
+
+/// A prefix index over bucket layout `B`. Slots are the endpoint table's slot numbers.
+pub struct PrefixIndex<B: BucketKind> {
+    table: PostingTable<B>,
     slots: Vec<SlotState>,
     fingerprint: u64,
     cap: u32,
@@ -105,7 +197,12 @@ fn same_records(a: &[u32], b: &[u32]) -> bool {
 
 #[inline]
 fn rec_slot(rec: u32) -> usize {
-    (rec >> STAMP_BITS) as usize
+    (rec >> SLOT_SHIFT) as usize
+}
+
+#[inline]
+fn owner(rec: u32) -> u32 {
+    rec >> SLOT_SHIFT
 }
 
 #[inline]
@@ -116,10 +213,10 @@ fn is_live(slots: &[SlotState], rec: u32) -> bool {
     }
 }
 
-impl ApproxIndex {
+impl<B: BucketKind> PrefixIndex<B> {
     /// An empty index whose keys were made under `fingerprint`, with `cap` memberships per endpoint.
     pub fn new(fingerprint: u64, cap: u32) -> Self {
-        ApproxIndex {
+        PrefixIndex {
             table: PostingTable::new(),
             slots: Vec::new(),
             fingerprint,
@@ -241,33 +338,70 @@ impl ApproxIndex {
         }
     }
 
-    /// Record that `slot` now holds every block in `keys` (touched tail-first).
+    /// Record that `slot` now holds every block in `keys` (approximate: assumed on GPU), touched
+    /// tail-first.
     pub fn observe(&mut self, keys: &[BlockKey], slot: usize) {
+        self.touch_all(keys, slot, GPU, 0);
+    }
+
+    /// Record that the engine stored `keys` on `slot` in `medium` (confirmed: clears any
+    /// speculative flag).
+    pub fn store(&mut self, keys: &[BlockKey], slot: usize, medium: Medium) {
+        self.touch_all(keys, slot, tier_bit(medium), SPEC);
+    }
+
+    /// Record that `slot` is expected to hold `keys` soon (a request was routed there). Blocks
+    /// already confirmed in a tier keep their tiers (and only get fresher).
+    pub fn speculate(&mut self, keys: &[BlockKey], slot: usize) {
+        self.touch_all(keys, slot, SPEC, 0);
+    }
+
+    fn touch_all(&mut self, keys: &[BlockKey], slot: usize, add: u32, clear: u32) {
         if !self.slots.get(slot).is_some_and(|s| s.active) {
             return;
         }
         for &key in keys.iter().rev() {
-            self.touch(key, slot);
+            self.touch(key, slot, add, clear);
         }
         self.run_sweeper();
     }
 
-    fn touch(&mut self, key: BlockKey, slot: usize) {
+    fn touch(&mut self, key: BlockKey, slot: usize, add: u32, clear: u32) {
         let stamp = self.slots[slot].gen & STAMP_MASK;
-        let rec = ((slot as u32) << STAMP_BITS) | stamp;
-        let old = self.table.upsert(key, rec, |r| r >> STAMP_BITS);
-        let was_live = old.is_some_and(|o| is_live(&self.slots, o));
+        let base = ((slot as u32) << SLOT_SHIFT) | stamp;
+        let slots = &self.slots;
+        // Keep the tiers of a live record; a dead one starts afresh.
+        let mut prev_live = None;
+        let old = self.table.upsert_with(key, slot as u32, owner, |old| {
+            let flags = match old {
+                Some(o) if is_live(slots, o) => {
+                    prev_live = Some(o);
+                    o & (TIERS | SPEC)
+                }
+                _ => 0,
+            };
+            let mut flags = (flags | add) & !clear;
+            if add == SPEC && flags & TIERS != 0 {
+                // Confirmed blocks need no speculation.
+                flags &= !SPEC;
+            }
+            if flags == 0 {
+                flags = add;
+            }
+            base | flags
+        });
+        let _ = old;
         let s = &mut self.slots[slot];
         let cur = (s.gen % GENERATIONS) as usize;
-        match old {
-            Some(o) if was_live => {
+        match prev_live {
+            Some(o) => {
                 let prev = ((o & STAMP_MASK) % GENERATIONS) as usize;
                 if prev != cur {
                     s.counts[prev] -= 1;
                     s.counts[cur] += 1;
                 }
             }
-            _ => {
+            None => {
                 s.counts[cur] += 1;
                 s.live += 1;
                 // Every new membership eventually dies: sweep four buckets per birth so a full
@@ -281,34 +415,99 @@ impl ApproxIndex {
         }
     }
 
-    /// For each slot, add to `out[slot]` the number of blocks of the longest consecutive prefix of
-    /// each prompt sequence it holds. `out` is resized to cover every slot.
-    pub fn match_blocks(&self, keys: &RequestKeys, out: &mut Vec<u32>, scratch: &mut MatchScratch) {
-        out.clear();
-        out.resize(self.slots.len(), 0);
-        if scratch.seen.len() < self.slots.len() {
-            scratch.seen.resize(self.slots.len(), 0);
+    /// Record that the engine removed `keys` from `medium` on `slot`: the tier is dropped, and a
+    /// membership left with no tier (and no speculation) is deleted.
+    pub fn remove(&mut self, keys: &[BlockKey], slot: usize, medium: Medium) {
+        self.drop_flags(keys, slot, tier_bit(medium));
+    }
+
+    /// Withdraw speculation on `keys` for `slot` (its TTL expired): speculative-only memberships
+    /// are deleted; confirmed ones are untouched.
+    pub fn unspeculate(&mut self, keys: &[BlockKey], slot: usize) {
+        self.drop_flags(keys, slot, SPEC);
+    }
+
+    fn drop_flags(&mut self, keys: &[BlockKey], slot: usize, bits: u32) {
+        if !self.slots.get(slot).is_some_and(|s| s.active) {
+            return;
         }
-        for seq in keys.sequences() {
-            self.match_sequence(seq, out, scratch);
+        for &key in keys {
+            let slots = &self.slots;
+            let mut deleted_live = None;
+            self.table.modify(key, slot as u32, owner, |r| {
+                let live = is_live(slots, r);
+                let rest = r & (TIERS | SPEC) & !bits;
+                if !live || rest == 0 {
+                    if live {
+                        deleted_live = Some(r);
+                    }
+                    None
+                } else {
+                    Some((r & !(TIERS | SPEC)) | rest)
+                }
+            });
+            if let Some(r) = deleted_live {
+                let s = &mut self.slots[slot];
+                s.counts[((r & STAMP_MASK) % GENERATIONS) as usize] -= 1;
+                s.live -= 1;
+            }
         }
     }
 
-    /// Walks the sequence once. `alive` holds the slots that matched every block so far; a slot
-    /// that drops out at block `k` is credited `k` blocks, the survivors the whole length. Along a
-    /// chain, consecutive blocks usually have the very same holder records (they were touched
-    /// together), which is detected by comparing the record slices and costs no per-holder work.
-    fn match_sequence(&self, seq: &[BlockKey], out: &mut [u32], scratch: &mut MatchScratch) {
+    /// Every membership of `slot` dies at once (the engine cleared its cache); the slot stays
+    /// active. O(generations); the sweeper reclaims the memory.
+    pub fn clear_slot(&mut self, slot: usize) {
+        if !self.slots.get(slot).is_some_and(|s| s.active) {
+            return;
+        }
+        for _ in 0..GENERATIONS {
+            self.advance(slot);
+        }
+        self.run_sweeper();
+    }
+
+    /// The tiers and speculative flag of `slot`'s membership of `key`, if live.
+    pub fn holding(&self, key: BlockKey, slot: usize) -> Option<Holding> {
+        self.table.records(key).as_slice().iter().find(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).map(|&r| {
+            Holding { gpu: r & GPU != 0, cpu: r & CPU != 0, storage: r & STORAGE != 0, speculative: r & SPEC != 0 }
+        })
+    }
+
+    /// For each slot: how many leading blocks of each prompt sequence it holds (summed over
+    /// sequences), and the same weighted by the tier each block is held in.
+    pub fn match_blocks(
+        &self,
+        keys: &RequestKeys,
+        weights: &MatchWeights,
+        out: &mut PrefixMatch,
+        scratch: &mut MatchScratch,
+    ) {
+        out.reset(self.slots.len());
+        if scratch.seen.len() < self.slots.len() {
+            scratch.seen.resize(self.slots.len(), 0);
+            scratch.seen_weight.resize(self.slots.len(), 0.0);
+        }
+        for seq in keys.sequences() {
+            self.match_sequence(seq, weights, out, scratch);
+        }
+    }
+
+    /// Walks the sequence once. `alive` holds the slots that matched every block so far, each with
+    /// the weight of its current run of equally-weighted blocks; a slot that drops out at block `k`
+    /// is credited `k` blocks. Along a chain, consecutive blocks usually have the very same holder
+    /// records (they were stored together), which is detected by comparing the record slices and
+    /// costs no per-holder work.
+    fn match_sequence(&self, seq: &[BlockKey], w: &MatchWeights, out: &mut PrefixMatch, scratch: &mut MatchScratch) {
         let Some((&first, rest)) = seq.split_first() else { return };
         let slots = &self.slots;
         scratch.alive.clear();
         let mut prev = self.table.records(first);
         for &r in prev.as_slice() {
             if is_live(slots, r) {
-                scratch.alive.push(rec_slot(r) as u16);
+                scratch.alive.push((rec_slot(r) as u16, w.of(r), 0));
             }
         }
-        let mut matched = 1u32;
+        let mut k = 1u32;
         for &key in rest {
             if scratch.alive.is_empty() {
                 break;
@@ -319,44 +518,47 @@ impl ApproxIndex {
                 break;
             }
             if same_records(recs, prev.as_slice()) {
-                matched += 1;
+                k += 1;
                 continue;
             }
-            if scratch.alive.len() == 1 {
-                let s = scratch.alive[0] as usize;
-                if !recs.iter().any(|&r| rec_slot(r) == s && is_live(slots, r)) {
-                    break;
-                }
-            } else {
-                scratch.epoch = scratch.epoch.wrapping_add(1);
-                if scratch.epoch == 0 {
-                    scratch.seen.iter_mut().for_each(|e| *e = 0);
-                    scratch.epoch = 1;
-                }
-                let epoch = scratch.epoch;
-                for &r in recs {
-                    if is_live(slots, r) {
-                        scratch.seen[rec_slot(r)] = epoch;
-                    }
-                }
-                let seen = &scratch.seen;
-                scratch.alive.retain(|&s| {
-                    let keep = seen[s as usize] == epoch;
-                    if !keep {
-                        out[s as usize] += matched;
-                    }
-                    keep
-                });
+            scratch.epoch = scratch.epoch.wrapping_add(1);
+            if scratch.epoch == 0 {
+                scratch.seen.iter_mut().for_each(|e| *e = 0);
+                scratch.epoch = 1;
             }
-            matched += 1;
+            let epoch = scratch.epoch;
+            for &r in recs {
+                if is_live(slots, r) {
+                    scratch.seen[rec_slot(r)] = epoch;
+                    scratch.seen_weight[rec_slot(r)] = w.of(r);
+                }
+            }
+            let (seen, seen_weight) = (&scratch.seen, &scratch.seen_weight);
+            scratch.alive.retain_mut(|(s, weight, start)| {
+                let i = *s as usize;
+                if seen[i] != epoch {
+                    out.blocks[i] += k;
+                    out.weighted[i] += *weight * f64::from(k - *start);
+                    return false;
+                }
+                if seen_weight[i] != *weight {
+                    out.weighted[i] += *weight * f64::from(k - *start);
+                    *weight = seen_weight[i];
+                    *start = k;
+                }
+                true
+            });
+            k += 1;
             prev = cur;
         }
-        for &s in &scratch.alive {
-            out[s as usize] += matched;
+        for &(s, weight, start) in &scratch.alive {
+            let i = s as usize;
+            out.blocks[i] += k;
+            out.weighted[i] += weight * f64::from(k - start);
         }
     }
 
-    /// Whether `slot` holds `key` (live).
+    /// Whether `slot` holds `key` (live, any tier or speculative).
     pub fn contains(&self, key: BlockKey, slot: usize) -> bool {
         self.table.records(key).as_slice().iter().any(|&r| rec_slot(r) == slot && is_live(&self.slots, r))
     }
@@ -397,6 +599,7 @@ impl ApproxIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::table::ExactBucket;
     use proptest::prelude::*;
 
     fn rk(seqs: &[&[u64]]) -> RequestKeys {
@@ -408,10 +611,20 @@ mod tests {
         k
     }
 
-    fn matches(ix: &ApproxIndex, seqs: &[&[u64]]) -> Vec<u32> {
-        let mut out = Vec::new();
-        ix.match_blocks(&rk(seqs), &mut out, &mut MatchScratch::default());
-        out
+    fn w() -> MatchWeights {
+        MatchWeights::new(&TierWeights::default())
+    }
+
+    fn matches<B: BucketKind>(ix: &PrefixIndex<B>, seqs: &[&[u64]]) -> Vec<u32> {
+        let mut out = PrefixMatch::default();
+        ix.match_blocks(&rk(seqs), &w(), &mut out, &mut MatchScratch::default());
+        out.blocks
+    }
+
+    fn weighted<B: BucketKind>(ix: &PrefixIndex<B>, seqs: &[&[u64]]) -> Vec<f64> {
+        let mut out = PrefixMatch::default();
+        ix.match_blocks(&rk(seqs), &w(), &mut out, &mut MatchScratch::default());
+        out.weighted
     }
 
     #[test]
@@ -426,7 +639,7 @@ mod tests {
         ix.observe(&[9], 2);
         assert_eq!(matches(&ix, &[&[1, 2, 3, 4, 5]]), vec![4, 2, 4]);
         // Endpoint 2 loses block 3 (simulated): it scores at most 2 blocks although it has 4.
-        ix.table.retain_key(3, |r| rec_slot(r) != 2);
+        ix.remove(&[3], 2, Medium::Gpu);
         assert!(ix.contains(4, 2));
         assert_eq!(matches(&ix, &[&[1, 2, 3, 4]]), vec![4, 2, 2]);
         // Batches add up per sequence.
@@ -538,20 +751,84 @@ mod tests {
         assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![1]);
     }
 
+    #[test]
+    fn tiers_are_weighted_and_removed_per_medium() {
+        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        ix.activate(0);
+        ix.activate(1);
+        ix.store(&[1, 2, 3, 4], 0, Medium::Gpu);
+        ix.store(&[3, 4], 0, Medium::Cpu);
+        ix.store(&[1, 2, 3, 4], 1, Medium::Cpu);
+        assert_eq!(matches(&ix, &[&[1, 2, 3, 4]]), vec![4, 4]);
+        let wt = weighted(&ix, &[&[1, 2, 3, 4]]);
+        assert!((wt[0] - 4.0).abs() < 1e-12, "GPU everywhere (GPU wins over CPU): {wt:?}");
+        assert!((wt[1] - 3.2).abs() < 1e-12, "CPU everywhere: {wt:?}");
+        // Evicted from GPU, still on CPU: counted at the CPU weight.
+        ix.remove(&[3, 4], 0, Medium::Gpu);
+        let wt = weighted(&ix, &[&[1, 2, 3, 4]]);
+        assert!((wt[0] - (2.0 + 1.6)).abs() < 1e-12, "{wt:?}");
+        assert_eq!(ix.holding(3, 0), Some(Holding { gpu: false, cpu: true, storage: false, speculative: false }));
+        // Gone from every tier: the membership is deleted and the match stops there.
+        ix.remove(&[3], 0, Medium::Cpu);
+        assert_eq!(ix.holding(3, 0), None);
+        assert_eq!(matches(&ix, &[&[1, 2, 3, 4]]), vec![2, 4]);
+        assert_eq!(ix.memberships_of(0), 3);
+        // Removing what is not there changes nothing.
+        ix.remove(&[99, 3], 0, Medium::Gpu);
+        assert_eq!(ix.memberships_of(0), 3);
+    }
+
+    #[test]
+    fn speculation_is_superseded_by_confirmation_and_withdrawn_otherwise() {
+        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        ix.activate(0);
+        ix.speculate(&[1, 2, 3], 0);
+        assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![3]);
+        assert_eq!(ix.holding(1, 0).map(|h| (h.gpu, h.speculative)), Some((false, true)));
+        ix.store(&[1, 2], 0, Medium::Gpu);
+        assert_eq!(ix.holding(1, 0).map(|h| (h.gpu, h.speculative)), Some((true, false)));
+        ix.unspeculate(&[1, 2, 3], 0);
+        assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![2], "confirmed blocks stay, speculation goes");
+        assert_eq!(ix.memberships_of(0), 2);
+        // Speculating on a confirmed block does not make it speculative.
+        ix.speculate(&[1], 0);
+        assert_eq!(ix.holding(1, 0).map(|h| h.speculative), Some(false));
+    }
+
+    #[test]
+    fn clear_slot_drops_everything_of_one_endpoint() {
+        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        ix.activate(0);
+        ix.activate(1);
+        ix.store(&[1, 2], 0, Medium::Gpu);
+        ix.store(&[1, 2], 1, Medium::Gpu);
+        ix.clear_slot(0);
+        assert_eq!(matches(&ix, &[&[1, 2]]), vec![0, 2]);
+        assert_eq!(ix.memberships_of(0), 0);
+        ix.store(&[1], 0, Medium::Gpu);
+        assert_eq!(matches(&ix, &[&[1, 2]]), vec![1, 2]);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
         /// Invariants under random operation sequences: match results equal a naive computation
         /// from `contains`; live counts equal records found; capacity holds.
         #[test]
-        fn invariants_hold(ops in proptest::collection::vec((0u8..10, 0usize..6, 1u64..40, 1usize..12), 1..300)) {
+        fn invariants_hold(ops in proptest::collection::vec((0u8..14, 0usize..6, 1u64..40, 1usize..12), 1..300)) {
             let cap = 128;
-            let mut ix = ApproxIndex::new(0, cap);
+            let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, cap);
             let mut active = [false; 6];
             for (op, slot, start, len) in ops {
                 match op {
                     0 => { if active[slot] { ix.retire(slot); active[slot] = false; } }
                     1 => { if !active[slot] { ix.activate(slot); active[slot] = true; } }
+                    10 | 11 => {
+                        let keys: Vec<u64> = (start..start + len as u64).collect();
+                        ix.remove(&keys, slot, if op == 10 { Medium::Gpu } else { Medium::Cpu });
+                    }
+                    12 => { let keys: Vec<u64> = (start..start + len as u64).collect(); ix.store(&keys, slot, Medium::Cpu); }
+                    13 => { ix.clear_slot(slot); }
                     _ => {
                         if !active[slot] { ix.activate(slot); active[slot] = true; }
                         let keys: Vec<u64> = (start..start + len as u64).collect();
