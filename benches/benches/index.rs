@@ -8,7 +8,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute::index::MatchScratch;
+use kvroute::index::{MatchScratch, MatchWeights, PrefixMatch};
 use kvroute::{ApproxIndex, RequestKeys};
 use kvroute_benches::indexload::{IndexWorkload, WorkloadShape};
 
@@ -31,17 +31,18 @@ fn bench_index(c: &mut Criterion) {
         let mut keys = RequestKeys { block_tokens: 64, ..Default::default() };
         keys.seq_starts.push(0);
         keys.keys.extend_from_slice(&probe);
-        let mut out = Vec::new();
+        let weights = MatchWeights::new(&kvroute::config::TierWeights::default());
+        let mut out = PrefixMatch::default();
         let mut scratch = MatchScratch::default();
-        ix.match_blocks(&keys, &mut out, &mut scratch);
-        let best = out.iter().copied().max().unwrap_or(0);
+        ix.match_blocks(&keys, &weights, &mut out, &mut scratch);
+        let best = out.blocks.iter().copied().max().unwrap_or(0);
         assert!(best > 0, "the probe shares a prefix with the index");
 
         g.throughput(Throughput::Elements(1));
         g.bench_function(BenchmarkId::new("match_blocks", w), |b| {
             b.iter(|| {
-                ix.match_blocks(black_box(&keys), &mut out, &mut scratch);
-                out.len()
+                ix.match_blocks(black_box(&keys), &weights, &mut out, &mut scratch);
+                out.blocks.len()
             });
         });
 

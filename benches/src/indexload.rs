@@ -5,7 +5,8 @@
 //! system prompt with their own blocks and live on one endpoint (session affinity), a few on
 //! two. Keys are chained like real block keys (each depends on its parent).
 
-use kvroute::{ApproxIndex, BlockKey};
+use kvroute::index::{BucketKind, PrefixIndex};
+use kvroute::BlockKey;
 
 /// Sizes of a workload.
 #[derive(Debug, Clone, Copy)]
@@ -96,8 +97,8 @@ impl IndexWorkload {
         IndexWorkload { shape: *shape, systems, placements, seed }
     }
 
-    /// Activate every endpoint slot and insert every placement.
-    pub fn fill(&self, ix: &mut ApproxIndex) {
+    /// Activate every endpoint slot and insert every placement (as GPU-resident blocks).
+    pub fn fill<B: BucketKind>(&self, ix: &mut PrefixIndex<B>) {
         for e in 0..self.shape.endpoints {
             ix.activate(e);
         }

@@ -28,10 +28,12 @@
 pub mod cache;
 pub mod error;
 pub mod indexload;
+pub mod peerload;
 pub mod policy;
 pub mod report;
 pub mod sim;
 pub mod svg;
+pub mod timing;
 pub mod workload;
 
 pub use error::SimError;

@@ -95,6 +95,10 @@ pub struct IndexConfig {
     pub speculative_ttl_ms: u64,
     /// Weights of cache tiers when scoring matched blocks (approximate entries count as GPU).
     pub tier_weights: TierWeights,
+    /// Which index routing reads: `approx`, `precise` or `hybrid`.
+    pub mode: IndexMode,
+    /// The event-fed precise index.
+    pub precise: PreciseConfig,
 }
 
 impl Default for IndexConfig {
@@ -106,6 +110,88 @@ impl Default for IndexConfig {
             capacity_bytes_per_endpoint: DEFAULT_INDEX_CAPACITY_BYTES,
             speculative_ttl_ms: DEFAULT_SPECULATIVE_TTL_MS,
             tier_weights: TierWeights::default(),
+            mode: IndexMode::Approx,
+            precise: PreciseConfig::default(),
+        }
+    }
+}
+
+/// Which prefix index routing reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexMode {
+    /// The tokenizer-free approximate index only (what the router sent where).
+    #[default]
+    Approx,
+    /// The event-fed precise index only (requests need token ids; endpoints without a healthy
+    /// event stream show no cached prefix).
+    Precise,
+    /// Precise for endpoints whose event stream is healthy, approximate for the others (stream
+    /// missing, gapped beyond replay, or recovering) and for requests without token ids.
+    Hybrid,
+}
+
+/// How precise-index keys relate to the engine's block hashes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyScheme {
+    /// The router's own request keys (an xxh3-64 chain over `index_block_tokens` token ids,
+    /// rooted in the LoRA name and cache_salt) plus an engine-key → request-key map learned from
+    /// BlockStored events. Works whatever hash the engine uses.
+    #[default]
+    Dual,
+    /// The engine's own block hashes, reproduced exactly from token ids (vLLM's `sha256`,
+    /// `sha256_cbor`, `xxhash`, `xxhash_cbor`; see `index.precise.engine`). No map is needed, and
+    /// blocks stored before the router started are found too.
+    Engine,
+}
+
+/// The event-fed precise index.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreciseConfig {
+    /// Key scheme.
+    pub keys: KeyScheme,
+    /// The engines' hashing, for `keys = "engine"` (its `block_size` is ignored:
+    /// `engine_block_tokens` applies).
+    pub engine: crate::engine_hash::EngineHashSpec,
+    /// LoRA adapter name → the path the engines loaded it from (`keys = "engine"` with vLLM ≥
+    /// 0.31 hashes the path); requests for an adapter without a path here get no precise keys.
+    pub lora_paths: BTreeMap<String, String>,
+    /// Tokens per engine block (vLLM `--block-size`, default 16).
+    pub engine_block_tokens: u32,
+    /// Tokens per index block for dual keys; `engine_block_tokens` must be a multiple of it.
+    pub index_block_tokens: u32,
+    /// Budget per endpoint, bytes, charged [`NOMINAL_BYTES_PER_MEMBERSHIP`] per membership
+    /// (protects memory if removal events are lost; engines normally report their evictions).
+    pub capacity_bytes_per_endpoint: u64,
+    /// Dual keys: engine blocks remembered in the engine-key → request-key map.
+    pub key_map_capacity: usize,
+    /// After an unrecoverable gap, how long an endpoint is treated as stale (hybrid mode routes
+    /// it with the approximate index meanwhile), milliseconds.
+    pub stale_recovery_ms: u64,
+}
+
+impl PreciseConfig {
+    /// The engine hasher this section describes (with `engine_block_tokens` as block size).
+    pub fn engine_hasher(&self) -> Result<crate::engine_hash::EngineHasher, crate::engine_hash::EngineHashError> {
+        let mut spec = self.engine.clone();
+        spec.block_size = self.engine_block_tokens;
+        crate::engine_hash::EngineHasher::from_spec(&spec)
+    }
+}
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        PreciseConfig {
+            keys: KeyScheme::Dual,
+            engine: crate::engine_hash::EngineHashSpec::default(),
+            lora_paths: BTreeMap::new(),
+            engine_block_tokens: 16,
+            index_block_tokens: 16,
+            capacity_bytes_per_endpoint: 4 << 20,
+            key_map_capacity: 4_000_000,
+            stale_recovery_ms: 30_000,
         }
     }
 }
@@ -566,6 +652,26 @@ impl Policy {
         self.config.index.block_tokens as usize * self.config.index.bytes_per_token as usize
     }
 
+    /// Per-endpoint membership capacity of the precise index.
+    pub fn precise_capacity_memberships(&self) -> u32 {
+        let m = self.config.index.precise.capacity_bytes_per_endpoint / NOMINAL_BYTES_PER_MEMBERSHIP;
+        u32::try_from(m).unwrap_or(u32::MAX)
+    }
+
+    /// Fingerprint of the parameters that define precise-index keys.
+    pub fn precise_fingerprint(&self) -> u64 {
+        let p = &self.config.index.precise;
+        let mut buf = Vec::with_capacity(64);
+        buf.extend_from_slice(&p.engine_block_tokens.to_le_bytes());
+        buf.extend_from_slice(&p.index_block_tokens.to_le_bytes());
+        buf.push(p.keys as u8);
+        if p.keys == KeyScheme::Engine {
+            // Everything that changes the engine's hashes (LoRA paths too).
+            buf.extend_from_slice(serde_json::to_string(&(&p.engine, &p.lora_paths)).unwrap_or_default().as_bytes());
+        }
+        xxhash_rust::xxh3::xxh3_64(&buf)
+    }
+
     /// Per-endpoint membership capacity of the approximate index.
     pub fn index_capacity_memberships(&self) -> u32 {
         let m = self.config.index.capacity_bytes_per_endpoint / NOMINAL_BYTES_PER_MEMBERSHIP;
@@ -666,6 +772,45 @@ fn validate(c: &PolicyConfig) -> Result<(), ConfigError> {
     }
     if i.speculative_ttl_ms == 0 {
         return Err(ConfigError::invalid("index.speculative_ttl_ms", 0, "must be > 0"));
+    }
+    let p = &i.precise;
+    if !(1..=4096).contains(&p.engine_block_tokens) {
+        return Err(ConfigError::invalid(
+            "index.precise.engine_block_tokens",
+            p.engine_block_tokens,
+            "must be within 1..=4096",
+        ));
+    }
+    if p.index_block_tokens == 0 || p.engine_block_tokens % p.index_block_tokens != 0 {
+        return Err(ConfigError::invalid(
+            "index.precise.index_block_tokens",
+            p.index_block_tokens,
+            format!("must divide index.precise.engine_block_tokens ({})", p.engine_block_tokens),
+        ));
+    }
+    if p.capacity_bytes_per_endpoint < min_cap
+        || p.capacity_bytes_per_endpoint > NOMINAL_BYTES_PER_MEMBERSHIP * u64::from(u32::MAX)
+    {
+        return Err(ConfigError::invalid(
+            "index.precise.capacity_bytes_per_endpoint",
+            p.capacity_bytes_per_endpoint,
+            format!("must be within {min_cap}..={}", NOMINAL_BYTES_PER_MEMBERSHIP * u64::from(u32::MAX)),
+        ));
+    }
+    if p.keys == KeyScheme::Engine {
+        if let Err(e) = p.engine_hasher() {
+            return Err(ConfigError::invalid("index.precise.engine", format!("{:?}", p.engine), e.to_string()));
+        }
+    }
+    if p.key_map_capacity < 1024 {
+        return Err(ConfigError::invalid(
+            "index.precise.key_map_capacity",
+            p.key_map_capacity,
+            "must be at least 1024",
+        ));
+    }
+    if p.stale_recovery_ms == 0 {
+        return Err(ConfigError::invalid("index.precise.stale_recovery_ms", 0, "must be > 0"));
     }
     check_unit("index.tier_weights.gpu", i.tier_weights.gpu)?;
     check_unit("index.tier_weights.cpu", i.tier_weights.cpu)?;

@@ -146,3 +146,15 @@ pub enum RouteError {
         detail: &'static str,
     },
 }
+
+/// KV events could not be applied.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EventIngestError {
+    /// The payload is not a valid event batch (nothing was applied).
+    #[error(transparent)]
+    Decode(#[from] crate::events::EventError),
+    /// The endpoint is unknown.
+    #[error(transparent)]
+    State(#[from] StateError),
+}

@@ -155,6 +155,77 @@ impl ApproxHashing {
     }
 }
 
+/// The router's own precise request keys ("dual keys"): an xxh3-64 chain over token ids in
+/// blocks of `block_tokens`, rooted in the LoRA adapter and cache_salt:
+///
+/// ```text
+/// root  = xxh3_64("kvroute-dual" ‖ lora-flag ‖ lora ‖ 0xff ‖ salt-flag ‖ salt)
+/// key_k = xxh3_64_with_seed(token ids of block k as u32 LE, key_{k-1})
+/// ```
+///
+/// The same chain is computed from a request's token ids and from an engine's BlockStored event
+/// (its token ids, chained from the request key its parent block maps to), so precise routing
+/// works without reproducing the engine's own hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DualKeyHashing {
+    /// Tokens per index block.
+    pub block_tokens: u32,
+}
+
+impl DualKeyHashing {
+    /// The root of every chain for a LoRA adapter (or none) and a cache_salt (or none).
+    pub fn root(lora: Option<&str>, cache_salt: Option<&str>) -> u64 {
+        let mut buf = Vec::with_capacity(32);
+        buf.extend_from_slice(b"kvroute-dual");
+        for part in [lora, cache_salt] {
+            match part {
+                Some(p) => {
+                    buf.push(1);
+                    buf.extend_from_slice(p.as_bytes());
+                }
+                None => buf.push(0),
+            }
+            buf.push(0xff);
+        }
+        xxh3_64(&buf)
+    }
+
+    /// Append the keys of the full blocks of `ids` chained from `parent`; returns the last key
+    /// (or `parent` when `ids` holds no full block).
+    pub fn chain(&self, parent: u64, ids: &[u32], out: &mut Vec<BlockKey>, scratch: &mut Vec<u8>) -> u64 {
+        let mut p = parent;
+        for block in ids.chunks_exact(self.block_tokens as usize) {
+            scratch.clear();
+            scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
+            p = xxh3_64_with_seed(scratch, p);
+            out.push(p);
+        }
+        p
+    }
+
+    /// The keys of a request into `out` (cleared first). Returns `false`, leaving `out` empty,
+    /// when a prompt sequence is text (precise keys need token ids).
+    pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) -> bool {
+        out.keys.clear();
+        out.seq_starts.clear();
+        out.block_tokens = self.block_tokens;
+        out.anchor = 0;
+        let root = Self::root(req.lora_adapter.as_deref(), req.cache_salt.as_deref());
+        let mut scratch = Vec::with_capacity(self.block_tokens as usize * 4);
+        for p in &req.prompts {
+            let Prompt::Tokens(ids) = p else {
+                out.keys.clear();
+                out.seq_starts.clear();
+                return false;
+            };
+            out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
+            let last = self.chain(root, ids, &mut out.keys, &mut scratch);
+            out.anchor ^= last;
+        }
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,6 +282,31 @@ mod tests {
         assert_eq!(seqs.len(), 2);
         assert_eq!(seqs[1][0], seqs[0][0], "same first block, same key");
         assert!(k.keys.iter().all(|&k| k != 0));
+    }
+
+    #[test]
+    fn dual_keys_chain_and_separate_tenants() {
+        let d = DualKeyHashing { block_tokens: 4 };
+        let mut r = RouteRequest::text("m", "");
+        r.prompts = vec![Prompt::Tokens((0..10).collect())];
+        let mut k = RequestKeys::default();
+        assert!(d.request_keys(&r, &mut k));
+        assert_eq!(k.keys.len(), 2);
+        // The same chain from an event's point of view: block by block from the root.
+        let root = DualKeyHashing::root(None, None);
+        let mut out = Vec::new();
+        let mut scratch = Vec::new();
+        let first = d.chain(root, &[0, 1, 2, 3], &mut out, &mut scratch);
+        d.chain(first, &[4, 5, 6, 7], &mut out, &mut scratch);
+        assert_eq!(out, k.keys);
+        r.cache_salt = Some("t".into());
+        let mut salted = RequestKeys::default();
+        d.request_keys(&r, &mut salted);
+        assert_ne!(salted.keys[0], k.keys[0]);
+        r.prompts = vec![Prompt::Text(b"text".to_vec())];
+        assert!(!d.request_keys(&r, &mut k));
+        assert!(k.keys.is_empty());
+        assert_ne!(DualKeyHashing::root(Some("a"), None), DualKeyHashing::root(None, Some("a")));
     }
 
     #[test]

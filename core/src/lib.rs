@@ -43,20 +43,34 @@ pub mod admission;
 pub mod config;
 pub mod decision;
 pub mod endpoints;
+pub mod engine_hash;
 pub mod error;
 pub mod events;
 pub mod hashing;
 pub mod index;
+pub mod precise;
 pub mod request;
 pub mod router;
 pub mod score;
+#[cfg(feature = "tokenizer")]
+pub mod tokenize;
+#[cfg(feature = "zmq")]
+pub mod zmq_sub;
 
 pub use config::{Policy, PolicyConfig};
 pub use decision::{Decision, Judgment, JudgmentSource, Mode, Rule, Shed, TransferEstimate};
 pub use endpoints::{EndpointSpec, MetricsSnapshot, Role};
-pub use error::{ConfigError, RequestError, RouteError, StateError};
-pub use hashing::{ApproxHashing, BlockKey, RequestKeys};
+pub use engine_hash::{
+    BlockDigest, BlockExtras, EngineHashError, EngineHashSpec, EngineHasher, ExtraKeysForm, HashAlgo, LoraAdapter,
+    NoneHashSeed,
+};
+pub use error::{ConfigError, EventIngestError, RequestError, RouteError, StateError};
+pub use events::{
+    decode_batch, BlockRemoved, BlockStored, EngineBlockHash, ErrorSite, EventBatch, EventError, KvEvent, Medium,
+};
+pub use hashing::{ApproxHashing, BlockKey, DualKeyHashing, RequestKeys};
 pub use index::{ApproxIndex, IndexStats};
+pub use precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats, StreamVerdict};
 pub use request::{Api, Horizon, JudgmentHint, Prompt, RouteRequest};
 pub use router::{ActivePolicy, EndpointInfo, Router, RouterCounters, RouterStats};
 pub use score::{EndpointScore, FilterReason};

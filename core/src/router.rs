@@ -10,12 +10,14 @@ use serde::Serialize;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3DefaultBuilder};
 
 use crate::admission;
-use crate::config::Policy;
+use crate::config::{IndexMode, Policy};
 use crate::decision::{self, Decision, Mode, ModeInputs, Rule};
 use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointTable, MetricsSnapshot, Role};
-use crate::error::{ConfigError, RouteError, StateError};
+use crate::error::{ConfigError, EventIngestError, RouteError, StateError};
+use crate::events::EventBatch;
 use crate::hashing::{ApproxHashing, RequestKeys};
 use crate::index::{ApproxIndex, IndexStats, MatchScratch, MatchWeights, PrefixMatch};
+use crate::precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats};
 use crate::request::RouteRequest;
 use crate::score::{self, EndpointScore, FeatureInputs};
 
@@ -29,6 +31,9 @@ pub struct ActivePolicy {
     hashing: ApproxHashing,
     fingerprint: u64,
     capacity: u32,
+    precise_keys: PreciseKeys,
+    precise_fingerprint: u64,
+    precise_capacity: u32,
 }
 
 impl ActivePolicy {
@@ -41,8 +46,19 @@ impl ActivePolicy {
             fingerprint: policy.index_fingerprint(),
             capacity: policy.index_capacity_memberships(),
             hashing,
+            precise_keys: PreciseKeys::from_config(&i.precise),
+            precise_fingerprint: policy.precise_fingerprint(),
+            precise_capacity: policy.precise_capacity_memberships(),
             policy,
         }
+    }
+
+    fn reads_approx(&self) -> bool {
+        self.policy.config().index.mode != IndexMode::Precise
+    }
+
+    fn reads_precise(&self) -> bool {
+        self.policy.config().index.mode != IndexMode::Approx
     }
 }
 
@@ -87,6 +103,8 @@ pub struct RouterStats {
     pub inflight_requests: usize,
     /// Approximate index figures.
     pub index: IndexStats,
+    /// Precise index figures and event counters.
+    pub precise: PreciseStats,
     /// Counters.
     pub counters: RouterCounters,
 }
@@ -106,16 +124,25 @@ pub struct EndpointInfo {
     pub inflight: u32,
     /// Approximate-index memberships.
     pub index_memberships: u32,
+    /// Precise-index memberships.
+    pub precise_memberships: u32,
+    /// Whether its KV event stream is healthy (has delivered events, not recovering from a gap),
+    /// judged at the time of the last routing decision or event.
+    pub events_healthy: bool,
 }
 
 struct State {
     endpoints: EndpointTable,
     index: ApproxIndex,
+    kv: KvIndex,
+    /// The latest `now` seen (routing or events), for reporting stream health.
+    last_now_ms: u64,
     sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
     inflight: LruCache<String, Inflight, Xxh3DefaultBuilder>,
     next_request: u64,
     draws: u64,
     matched: PrefixMatch,
+    pmatched: PrefixMatch,
     scratch: MatchScratch,
     slots_buf: Vec<u16>,
     cands_buf: Vec<usize>,
@@ -147,6 +174,13 @@ impl State {
 
     fn live_ref(&self, r: SlotRef) -> bool {
         self.endpoints.get(r.slot).is_some_and(|e| e.incarnation == r.incarnation)
+    }
+
+    fn expire_speculation(&mut self, now_ms: u64) {
+        let endpoints = &self.endpoints;
+        self.kv.expire(now_ms, |slot, inc| {
+            u16::try_from(slot).ok().and_then(|s| endpoints.get(s)).is_some_and(|e| e.incarnation == inc)
+        });
     }
 }
 
@@ -185,11 +219,14 @@ impl Router {
         let state = State {
             endpoints: EndpointTable::default(),
             index: ApproxIndex::new(active.fingerprint, active.capacity),
+            kv: KvIndex::new(active.policy.config(), active.precise_fingerprint, active.precise_capacity),
+            last_now_ms: 0,
             sessions: LruCache::with_hasher(nz(limits.session_capacity), Xxh3DefaultBuilder),
             inflight: LruCache::with_hasher(nz(limits.max_inflight_requests), Xxh3DefaultBuilder),
             next_request: 0,
             draws: 0,
             matched: PrefixMatch::default(),
+            pmatched: PrefixMatch::default(),
             scratch: MatchScratch::default(),
             slots_buf: Vec::new(),
             cands_buf: Vec::new(),
@@ -237,6 +274,11 @@ impl Router {
         if new.capacity != old.capacity {
             st.index.set_capacity(new.capacity);
         }
+        if new.precise_fingerprint != st.kv.fingerprint() {
+            st.kv.reconfigure(new.policy.config(), new.precise_fingerprint);
+            st.counters.index_resets += 1;
+        }
+        st.kv.set_capacity(new.precise_capacity, new.policy.config().index.precise.key_map_capacity);
         let limits = &new.policy.config().limits;
         while st.inflight.len() > limits.max_inflight_requests {
             if let Some((_, f)) = st.inflight.pop_lru() {
@@ -279,9 +321,10 @@ impl Router {
         if st.endpoints.len() >= limit {
             return Err(StateError::TooManyEndpoints { limit });
         }
-        let State { endpoints, index, .. } = &mut *st;
-        let slot = endpoints.insert(&spec, |s| index.slot_reusable(s));
+        let State { endpoints, index, kv, .. } = &mut *st;
+        let slot = endpoints.insert(&spec, |s| index.slot_reusable(s) && kv.slot_reusable(s));
         index.activate(slot as usize);
+        kv.activate(slot as usize);
         Ok(())
     }
 
@@ -291,6 +334,7 @@ impl Router {
         let mut st = self.lock();
         let slot = st.endpoints.remove(id).ok_or_else(|| StateError::UnknownEndpoint { id: id.to_owned() })?;
         st.index.retire(slot as usize);
+        st.kv.retire(slot as usize);
         Ok(())
     }
 
@@ -329,6 +373,8 @@ impl Router {
                 metrics: e.metrics.clone(),
                 inflight: e.inflight,
                 index_memberships: st.index.memberships_of(s as usize),
+                precise_memberships: st.kv.blocks().memberships_of(s as usize),
+                events_healthy: st.kv.healthy(s as usize, st.last_now_ms),
             })
             .collect()
     }
@@ -342,6 +388,7 @@ impl Router {
             endpoints: st.endpoints.len(),
             inflight_requests: st.inflight.len(),
             index: st.index.stats(),
+            precise: st.kv.stats(),
             counters: st.counters.clone(),
         }
     }
@@ -356,6 +403,49 @@ impl Router {
             }
             None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
         }
+    }
+
+    /// Decode one KV-event payload published by `endpoint`'s engine (msgpack, vLLM or SGLang) and
+    /// apply it to the precise index. `seq` is the publisher's sequence number (ZMQ frame 2), when
+    /// known. A malformed payload is rejected whole and changes nothing.
+    pub fn apply_events(
+        &self,
+        endpoint: &str,
+        payload: &[u8],
+        seq: Option<u64>,
+        now_ms: u64,
+    ) -> Result<ApplyOutcome, EventIngestError> {
+        let batch = crate::events::decode_batch(payload)?;
+        Ok(self.apply_batch(endpoint, &batch, seq, now_ms)?)
+    }
+
+    /// Apply an already decoded batch from `endpoint` (see [`Router::apply_events`]).
+    pub fn apply_batch(
+        &self,
+        endpoint: &str,
+        batch: &EventBatch,
+        seq: Option<u64>,
+        now_ms: u64,
+    ) -> Result<ApplyOutcome, StateError> {
+        let mut st = self.lock();
+        let slot =
+            st.endpoints.slot_of(endpoint).ok_or_else(|| StateError::UnknownEndpoint { id: endpoint.to_owned() })?;
+        st.last_now_ms = st.last_now_ms.max(now_ms);
+        st.expire_speculation(now_ms);
+        Ok(st.kv.apply(slot as usize, batch, seq))
+    }
+
+    /// Give up on `endpoint`'s gapped event stream (replay unavailable or too old): its precise
+    /// entries are cleared, its next batch is accepted as a fresh start, and it counts as stale
+    /// for `index.precise.stale_recovery_ms` (hybrid mode routes it with the approximate index
+    /// meanwhile).
+    pub fn resync_stream(&self, endpoint: &str, now_ms: u64) -> Result<(), StateError> {
+        let recovery = self.policy.load().policy.config().index.precise.stale_recovery_ms;
+        let mut st = self.lock();
+        let slot =
+            st.endpoints.slot_of(endpoint).ok_or_else(|| StateError::UnknownEndpoint { id: endpoint.to_owned() })?;
+        st.kv.resync(slot as usize, now_ms, recovery);
+        Ok(())
     }
 
     /// Parse an HTTP request (body + headers) and route it, all under one policy version.
@@ -388,12 +478,14 @@ impl Router {
     }
 
     fn route_with(&self, active: &ActivePolicy, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
-        // Block hashing happens outside the lock, into a per-thread buffer.
+        // Block hashing happens outside the lock, into per-thread buffers.
         KEYS.with(|cell| {
-            let mut keys = cell.take();
-            active.hashing.request_keys(req, &mut keys);
-            let out = self.decide(active, req, &keys, now_ms);
-            cell.replace(keys);
+            let mut bufs = cell.take();
+            active.hashing.request_keys(req, &mut bufs.approx);
+            bufs.has_precise =
+                active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
+            let out = self.decide(active, req, &bufs, now_ms);
+            cell.replace(bufs);
             out
         })
     }
@@ -402,29 +494,39 @@ impl Router {
         &self,
         active: &ActivePolicy,
         req: &RouteRequest,
-        keys: &RequestKeys,
+        bufs: &KeyBufs,
         now_ms: u64,
     ) -> Result<Decision, RouteError> {
         let cfg = active.policy.config();
+        let keys = &bufs.approx;
         let input_tokens = req.input_tokens(cfg.index.bytes_per_token);
         let session_key = req.session_id.as_deref().map(|s| xxh3_64(s.as_bytes()));
+        let mode = cfg.index.mode;
 
         let mut guard = self.lock();
         let st = &mut *guard;
+        st.last_now_ms = now_ms;
         st.expire_inflight(now_ms, cfg.limits.inflight_timeout_ms);
-        // A decision that began under a policy whose hashing differs from the index's neither
-        // reads nor writes the index (see `reload`).
-        let index_valid = st.index.fingerprint() == active.fingerprint;
-        if index_valid {
-            let weights = MatchWeights::new(&cfg.index.tier_weights);
+        st.expire_speculation(now_ms);
+        // A decision that began under a policy whose hashing differs from an index's neither
+        // reads nor writes that index (see `reload`).
+        let approx_valid = active.reads_approx() && st.index.fingerprint() == active.fingerprint;
+        let precise_valid = bufs.has_precise && st.kv.fingerprint() == active.precise_fingerprint;
+        let weights = MatchWeights::new(&cfg.index.tier_weights);
+        if approx_valid {
             st.index.match_blocks(keys, &weights, &mut st.matched, &mut st.scratch);
         } else {
             st.matched.clear();
         }
+        if precise_valid {
+            st.kv.match_blocks(&bufs.precise, &weights, &mut st.pmatched, &mut st.scratch);
+        } else {
+            st.pmatched.clear();
+        }
         let session_ref = session_key.and_then(|k| st.sessions.peek(&k).copied()).filter(|r| st.live_ref(*r));
 
-        let total_blocks = keys.keys.len();
-        let hit_per_block = if total_blocks == 0 { 0.0 } else { cfg.index.tier_weights.gpu / total_blocks as f64 };
+        let per_block = |n: usize| if n == 0 { 0.0 } else { 1.0 / n as f64 };
+        let (approx_per_block, precise_per_block) = (per_block(keys.keys.len()), per_block(bufs.precise.keys.len()));
         let roster = st.endpoints.roster().clone();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
         let mut slots = std::mem::take(&mut st.slots_buf);
@@ -438,10 +540,26 @@ impl Router {
                 scores.push(EndpointScore::unavailable());
                 continue;
             };
+            let i = slot as usize;
+            // Precise mode always reads the precise index; hybrid reads it for endpoints whose
+            // event stream is healthy when the request has token ids; otherwise approximate.
+            let precise = match mode {
+                IndexMode::Approx => false,
+                IndexMode::Precise => true,
+                IndexMode::Hybrid => precise_valid && st.kv.healthy(i, now_ms),
+            };
+            let (m, hit_per_block, block_tokens) = if precise {
+                (&st.pmatched, precise_per_block, active.precise_keys.block_tokens())
+            } else {
+                (&st.matched, approx_per_block, cfg.index.block_tokens)
+            };
+            let matched_blocks = m.blocks.get(i).copied().unwrap_or(0);
             let f = FeatureInputs {
-                matched_blocks: st.matched.blocks.get(slot as usize).copied().unwrap_or(0),
-                weighted_blocks: st.matched.weighted.get(slot as usize).copied().unwrap_or(0.0),
+                matched_blocks,
+                weighted_blocks: m.weighted.get(i).copied().unwrap_or(0.0),
                 hit_per_block,
+                cached_tokens: (u64::from(matched_blocks) * u64::from(block_tokens)).min(input_tokens),
+                precise,
                 lora_adapter: req.lora_adapter.as_deref(),
                 session_here: session_ref.is_some_and(|r| r.slot == slot),
                 now_ms,
@@ -467,7 +585,6 @@ impl Router {
         let saturation = if pool_size == 0 { 0.0 } else { saturation_sum / f64::from(pool_size) };
         let judgment =
             decision::judge(&cfg.modes, &req.hint, input_tokens, req.effective_max_tokens(), scores[d].prefix_hit);
-        let block_tokens = |blocks: u32| (u64::from(blocks) * u64::from(cfg.index.block_tokens)).min(input_tokens);
         let request_id = self.assign_request_id(st, req);
 
         if let Some(shed) = admission::admit(cfg, saturation, req.priority) {
@@ -487,7 +604,7 @@ impl Router {
                 judgment,
                 input_tokens,
                 prefix_hit: scores[d].prefix_hit,
-                cached_tokens: block_tokens(scores[d].matched_blocks),
+                cached_tokens: scores[d].cached_tokens,
                 saturation,
                 relaxed_filters: relaxed_decode,
                 transfer: None,
@@ -509,9 +626,9 @@ impl Router {
             judgment,
             decode_hit: scores[d].prefix_hit,
             decode_kv_usage: scores[d].kv_usage,
-            decode_cached_tokens: block_tokens(scores[d].matched_blocks),
+            decode_cached_tokens: scores[d].cached_tokens,
             decode_running: d_ep.map_or(0, |e| e.metrics.as_ref().map_or(0, |m| m.running).max(e.inflight)),
-            prefill_cached_tokens: prefill.map(|p| block_tokens(scores[p].matched_blocks)),
+            prefill_cached_tokens: prefill.map(|p| scores[p].cached_tokens),
         };
         let (mode, rule, transfer) = decision::decide_mode(cfg, &inputs);
         let prefill = if mode == Mode::Disaggregated { prefill } else { None };
@@ -519,12 +636,18 @@ impl Router {
         // Book-keeping: assumed residency, in-flight counters, session affinity.
         let target = self.track(st, d_slot);
         let prefill_ref = prefill.map(|p| self.track(st, slots[p]));
-        if index_valid {
+        if approx_valid {
             for seq in keys.sequences() {
                 st.index.observe(seq, d_slot as usize);
                 if let Some(p) = prefill {
                     st.index.observe(seq, slots[p] as usize);
                 }
+            }
+        }
+        if precise_valid {
+            let expires = now_ms.saturating_add(cfg.index.speculative_ttl_ms);
+            for r in std::iter::once(target).chain(prefill_ref) {
+                st.kv.speculate(&bufs.precise, r.slot as usize, r.incarnation, expires);
             }
         }
         let evicted =
@@ -564,7 +687,7 @@ impl Router {
             rule,
             mode: Some(mode),
             prefix_hit: scores[d].prefix_hit,
-            cached_tokens: block_tokens(scores[d].matched_blocks),
+            cached_tokens: scores[d].cached_tokens,
             endpoint: Some(endpoint),
             prefill_endpoint,
             shed: None,
@@ -612,10 +735,17 @@ impl Router {
     }
 }
 
+/// Per-thread key buffers (block hashing happens before the state lock is taken).
+#[derive(Default)]
+struct KeyBufs {
+    approx: RequestKeys,
+    precise: RequestKeys,
+    has_precise: bool,
+    scratch: Vec<u8>,
+}
+
 std::thread_local! {
-    static KEYS: std::cell::Cell<RequestKeys> = const {
-        std::cell::Cell::new(RequestKeys { keys: Vec::new(), seq_starts: Vec::new(), anchor: 0, block_tokens: 0 })
-    };
+    static KEYS: std::cell::Cell<KeyBufs> = std::cell::Cell::new(KeyBufs::default());
 }
 
 fn rule_index(rule: Rule) -> usize {

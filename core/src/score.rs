@@ -31,6 +31,10 @@ pub struct EndpointScore {
     pub filtered: Option<FilterReason>,
     /// Leading prompt blocks it holds (summed over prompt sequences).
     pub matched_blocks: u32,
+    /// Prompt tokens those blocks cover.
+    pub cached_tokens: u64,
+    /// Whether the match came from the event-fed precise index (else the approximate one).
+    pub precise: bool,
     /// H: tier-weighted matched blocks / request blocks (0–1).
     pub prefix_hit: f64,
     /// LoRA affinity (0–1).
@@ -54,6 +58,8 @@ impl EndpointScore {
             role: Role::Prefill,
             filtered: Some(FilterReason::Unhealthy),
             matched_blocks: 0,
+            cached_tokens: 0,
+            precise: false,
             prefix_hit: 0.0,
             lora: 0.0,
             queue: 0.0,
@@ -68,6 +74,10 @@ impl EndpointScore {
 /// Inputs for one endpoint's score.
 pub(crate) struct FeatureInputs<'a> {
     pub matched_blocks: u32,
+    /// Prompt tokens those blocks cover.
+    pub cached_tokens: u64,
+    /// Whether the match came from the precise index.
+    pub precise: bool,
     /// The matched blocks weighted by the tier each is held in.
     pub weighted_blocks: f64,
     /// `1 / request blocks` (0 when the request has no full block).
@@ -120,6 +130,8 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
         role: ep.role,
         filtered,
         matched_blocks: f.matched_blocks,
+        cached_tokens: f.cached_tokens,
+        precise: f.precise,
         prefix_hit,
         lora,
         queue,

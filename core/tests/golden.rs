@@ -4,7 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Policy, RequestError, Role, RouteError, Router, StateError};
+use kvroute::{
+    Decision, EndpointSpec, EventIngestError, MetricsSnapshot, Policy, RequestError, Role, RouteError, Router,
+    StateError,
+};
 use serde_json::{json, Map, Value};
 
 fn golden_dir() -> PathBuf {
@@ -22,7 +25,8 @@ fn view(d: &Decision) -> Value {
             (
                 e.to_owned(),
                 json!({
-                    "matched_blocks": s.matched_blocks, "prefix_hit": s.prefix_hit, "lora": s.lora,
+                    "matched_blocks": s.matched_blocks, "cached_tokens": s.cached_tokens, "precise": s.precise,
+                    "prefix_hit": s.prefix_hit, "lora": s.lora,
                     "queue": s.queue, "kv_usage": s.kv_usage, "session": s.session,
                     "inflight": s.inflight, "total": s.total,
                 }),
@@ -86,6 +90,10 @@ fn error_kind(e: &RouteError) -> (&'static str, Option<String>, Option<String>) 
     }
 }
 
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap()).collect()
+}
+
 fn role(v: &Value) -> Role {
     serde_json::from_value(v.clone()).unwrap()
 }
@@ -118,6 +126,29 @@ fn run_case(path: &Path) -> Vec<String> {
             }
             "reload" => {
                 router.reload_str(&step["policy"].to_string()).unwrap();
+            }
+            "resync" => {
+                router.resync_stream(step["endpoint"].as_str().unwrap(), step["now_ms"].as_u64().unwrap()).unwrap();
+            }
+            "events" => {
+                let payload = hex(step["payload_hex"].as_str().unwrap());
+                let seq = step["seq"].as_u64();
+                let now = step["now_ms"].as_u64().unwrap();
+                match (
+                    router.apply_events(step["endpoint"].as_str().unwrap(), &payload, seq, now),
+                    step.get("expect_error"),
+                ) {
+                    (Ok(out), None) => {
+                        if let Some(expect) = step.get("expect") {
+                            let mut v = serde_json::to_value(out.verdict).unwrap();
+                            v["blocks"] = json!(out.blocks);
+                            v["events"] = json!(out.events);
+                            check(&at, expect, &v, &mut errors);
+                        }
+                    }
+                    (Err(EventIngestError::Decode(_)), Some(e)) if e["kind"] == "decode" => {}
+                    (r, e) => errors.push(format!("{at}: events gave {r:?}, expected {e:?}")),
+                }
             }
             "reload_invalid" => {
                 let before = router.policy().version;

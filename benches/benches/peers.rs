@@ -1,0 +1,748 @@
+//! kvroute's prefix indexes against published peers from the Rust registry, on one shared-prefix
+//! workload, in one run:
+//!
+//! | subject | keys | input |
+//! |---|---|---|
+//! | kvroute precise store (`PrefixIndex<ExactBucket>::store`) | chain keys | store events |
+//! | kvroute `KvIndex` through `Router::apply_batch` (engine keys) | chain keys | decoded `EventBatch`es |
+//! | kvroute approximate (`ApproxIndex::observe`) | chain keys | whole placed sequences |
+//! | dynamo-kv-router 1.6 `RadixTree::apply_event` | content + chain | store events |
+//! | dynamo-kv-router 1.6 `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`, 1 thread | content + chain | store events |
+//! | kv-index 2.0 `ChainIndex::apply_stored` | content + chain | store events |
+//! | kv-index 2.0 `TokenTree::insert_tokens` (approximate; one token per block, page size 1) | content | whole placed sequences |
+//! | the same with 16 tokens per block and page size 16 (SGLang's default page) | content | whole placed sequences |
+//!
+//! The workload is [`PeerWorkload`]: W ∈ {64, 512} endpoints, ~1M / ~4.19M placed (block,
+//! endpoint) memberships, tenants' system prompts shared by many endpoints. Store events carry
+//! each distinct membership once (an endpoint that already holds its tenant's system prompt
+//! stores only the conversation's own blocks, under the prompt's last block), so every exact
+//! index ends up holding exactly the same memberships; the approximate indexes observe the whole
+//! placed sequences, as a router does.
+//!
+//! Measured, per subject and W:
+//! - **apply**: blocks fed per second on one thread, timing the whole build with `Instant`
+//!   (inputs prepared beforehand), median of `KVROUTE_PEERS_RUNS` (default 3) fresh builds;
+//! - **find-matches**: µs per lookup of a 128-block request sharing a prefix (64 different
+//!   probes, cycled), timed by criterion; the table shows the median of criterion's samples;
+//! - **memory**: bytes allocated and still live after one build, counted by this binary's global
+//!   allocator (requested sizes, all threads) for every subject alike, divided by the distinct
+//!   memberships. kvroute's own `stats().memory_bytes` is printed beside it as a cross-check.
+//!
+//! Before timing lookups, every exact index is checked to report the same per-endpoint overlap
+//! as kvroute's precise store on every probe (and TokenTree the same best match), so all
+//! subjects answer the same question.
+//!
+//! Run: `cargo bench -p kvroute-benches --features peers --bench peers` (add `-- <filter>` to
+//! limit criterion's lookups; `KVROUTE_PEERS_W=512` to one endpoint count).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
+// The only unsafe code: the pass-through counting global allocator below.
+#![allow(unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::future::Future;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
+use dynamo_kv_router::protocols::{
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
+    LocalBlockHash, RouterEvent,
+};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
+use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock, TokenTree};
+use kvroute::config::TierWeights;
+use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute::index::{ExactBucket, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
+use kvroute::{ApproxIndex, EndpointSpec, RequestKeys, Role, Router};
+use kvroute_benches::indexload::WorkloadShape;
+use kvroute_benches::peerload::{PeerWorkload, StoreEvent};
+use kvroute_benches::timing::{median, Samples};
+
+// ---------------------------------------------------------------------------------------------
+// Counting allocator: live bytes allocated while `COUNTING` is on (requested sizes).
+// ---------------------------------------------------------------------------------------------
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static LIVE: AtomicI64 = AtomicI64::new(0);
+
+#[inline]
+fn count(delta: i64) {
+    if COUNTING.load(Ordering::Relaxed) {
+        LIVE.fetch_add(delta, Ordering::Relaxed);
+    }
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            count(layout.size() as i64);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            count(layout.size() as i64);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        count(-(layout.size() as i64));
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            count(new_size as i64 - layout.size() as i64);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Runs `build` with counting on; returns what it built and the bytes it left allocated. Only
+/// allocations made inside count (a build that frees memory allocated before would read low, so
+/// builders here create their inputs inside).
+fn measured<T>(build: impl FnOnce() -> T) -> (T, i64) {
+    LIVE.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    let built = build();
+    COUNTING.store(false, Ordering::SeqCst);
+    (built, LIVE.load(Ordering::SeqCst))
+}
+
+/// A minimal executor for the peer's few async barriers (`flush_and_wait`).
+fn block_on<F: Future>(fut: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Results
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone)]
+struct Row {
+    name: &'static str,
+    peer: bool,
+    exact: bool,
+    /// Blocks fed per build.
+    blocks: u64,
+    apply_s: f64,
+    find_us: Option<f64>,
+    bytes: i64,
+    /// kvroute's own `stats().memory_bytes`, when it has one.
+    self_reported: Option<u64>,
+    /// peers.md's published figures on this machine kind (W=512): M blocks/s, µs, MB.
+    published: Option<(f64, f64, f64)>,
+}
+
+impl Row {
+    fn apply_mps(&self) -> f64 {
+        self.blocks as f64 / self.apply_s / 1e6
+    }
+}
+
+/// Median seconds of `runs` builds: `prepare` (untimed) makes the inputs, `apply` (timed)
+/// builds the index from them; the index is dropped untimed.
+fn time_apply<P, I>(runs: usize, mut prepare: impl FnMut() -> P, mut apply: impl FnMut(P) -> I) -> f64 {
+    let mut secs = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let input = prepare();
+        let t = Instant::now();
+        let ix = apply(input);
+        secs.push(t.elapsed().as_secs_f64());
+        drop(black_box(ix));
+    }
+    median(secs)
+}
+
+const SAMPLES: usize = 30;
+
+/// Lookup latency through criterion (`iter_custom`, probes cycled); returns the median of the
+/// per-iteration times of criterion's measurement samples, µs (`None` when filtered out).
+fn time_find(
+    c: &mut Criterion,
+    group: &str,
+    name: &str,
+    probes: usize,
+    mut query: impl FnMut(usize) -> usize,
+) -> Option<f64> {
+    let samples = Samples::new();
+    let mut next = 0usize;
+    c.bench_function(&format!("{group}/{name}"), |b| {
+        b.iter_custom(|iters| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                black_box(query(next % probes));
+                next += 1;
+            }
+            let d = t.elapsed();
+            samples.record(iters, d);
+            d
+        });
+    });
+    samples.median_us(SAMPLES)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inputs shared by the subjects (prepared once per W, untimed)
+// ---------------------------------------------------------------------------------------------
+
+struct Inputs {
+    wl: PeerWorkload,
+    w: usize,
+    /// kvroute request keys of each probe.
+    probe_keys: Vec<RequestKeys>,
+    /// Per-endpoint overlap of each probe, from kvroute's precise store (the reference).
+    reference: Vec<Vec<u32>>,
+    /// Endpoint ids ("host:port").
+    ids: Vec<String>,
+}
+
+fn endpoint_id(e: usize) -> String {
+    format!("10.0.{}.{}:8000", e / 256, e % 256)
+}
+
+fn dynamo_event(wl: &PeerWorkload, i: usize, ev: &StoreEvent) -> RouterEvent {
+    let (e, parent, contents, keys) = wl.event(ev);
+    let blocks = contents
+        .iter()
+        .zip(keys)
+        .map(|(&c, &k)| KvCacheStoredBlockData {
+            block_hash: ExternalSequenceBlockHash(k),
+            tokens_hash: LocalBlockHash(c),
+            mm_extra_info: None,
+        })
+        .collect();
+    let data = KvCacheStoreData {
+        parent_hash: parent.map(ExternalSequenceBlockHash),
+        start_position: Some(ev.start as u32),
+        blocks,
+    };
+    RouterEvent::new(e as u64, KvCacheEvent { event_id: i as u64, data: KvCacheEventData::Stored(data), dp_rank: 0 })
+}
+
+fn dynamo_events(wl: &PeerWorkload) -> Vec<RouterEvent> {
+    wl.events.iter().enumerate().map(|(i, ev)| dynamo_event(wl, i, ev)).collect()
+}
+
+fn dynamo_overlap(scores: &dynamo_kv_router::protocols::OverlapScores, w: usize) -> Vec<u32> {
+    let mut v = vec![0u32; w];
+    for (k, &s) in &scores.scores {
+        v[k.worker_id as usize] = s;
+    }
+    v
+}
+
+fn check_exact(name: &str, inp: &Inputs, overlap: impl Fn(usize) -> Vec<u32>) {
+    let bad = (0..inp.wl.probes.len()).filter(|&i| overlap(i) != inp.reference[i]).count();
+    assert_eq!(bad, 0, "{name}: {bad} of {} probes disagree with kvroute's precise store", inp.wl.probes.len());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Subjects
+// ---------------------------------------------------------------------------------------------
+
+fn kvroute_precise(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Row {
+    let wl = &inp.wl;
+    let cap = wl.shape.capacity_per_endpoint;
+    let build = || {
+        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, cap);
+        for e in 0..inp.w {
+            ix.activate(e);
+        }
+        for ev in &wl.events {
+            let (e, _, _, keys) = wl.event(ev);
+            ix.store(keys, e, Medium::Gpu);
+        }
+        ix
+    };
+    let apply_s = time_apply(runs, || (), |()| build());
+    let (ix, bytes) = measured(build);
+    let st = ix.stats();
+    assert_eq!(st.memberships, wl.memberships(), "the store holds every membership");
+    let weights = MatchWeights::new(&TierWeights::default());
+    let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
+    let find_us = time_find(c, group, "kvroute precise", wl.probes.len(), |i| {
+        ix.match_blocks(&inp.probe_keys[i], &weights, &mut out, &mut scratch);
+        out.blocks.len()
+    });
+    Row {
+        name: "kvroute precise store (PrefixIndex<ExactBucket>)",
+        peer: false,
+        exact: true,
+        blocks: wl.memberships(),
+        apply_s,
+        find_us,
+        bytes,
+        self_reported: Some(st.memory_bytes),
+        published: None,
+    }
+}
+
+fn kvroute_router(inp: &Inputs, runs: usize) -> Row {
+    let wl = &inp.wl;
+    let batches: Vec<(usize, EventBatch)> = wl
+        .events
+        .iter()
+        .map(|ev| {
+            let (e, parent, _, keys) = wl.event(ev);
+            let stored = BlockStored {
+                block_hashes: keys.to_vec(),
+                parent_block_hash: parent,
+                token_ids: Vec::new(),
+                block_size: 16,
+                lora_id: None,
+                medium: Medium::Gpu,
+                lora_name: None,
+                group_idx: None,
+                cache_salt: None,
+            };
+            (e, EventBatch { ts: 1.0, events: vec![KvEvent::BlockStored(stored)], data_parallel_rank: None })
+        })
+        .collect();
+    let new_router = || {
+        let r = Router::from_json(
+            r#"{"index":{"mode":"precise","precise":{"keys":"engine","engine":{"algo":"sha256_cbor"}}}}"#,
+        )
+        .unwrap();
+        for id in &inp.ids {
+            r.upsert_endpoint(EndpointSpec::new(id.as_str(), Role::Decode)).unwrap();
+        }
+        r
+    };
+    let apply = |r: Router| {
+        let mut seq = vec![0u64; inp.w];
+        for (e, batch) in &batches {
+            seq[*e] += 1;
+            r.apply_batch(&inp.ids[*e], batch, Some(seq[*e]), 1_000).unwrap();
+        }
+        r
+    };
+    let apply_s = time_apply(runs, new_router, apply);
+    let (r, with_router) = measured(|| apply(new_router()));
+    let (empty, router_only) = measured(new_router);
+    drop(empty);
+    let st = r.stats().precise;
+    assert_eq!(st.index.memberships, wl.memberships(), "the router's precise index holds every membership");
+    let self_reported = Some(st.index.memory_bytes + st.map_memory_bytes);
+    Row {
+        name: "kvroute KvIndex via Router::apply_batch (engine keys)",
+        peer: false,
+        exact: true,
+        blocks: wl.memberships(),
+        apply_s,
+        find_us: None,
+        bytes: with_router - router_only,
+        self_reported,
+        published: None,
+    }
+}
+
+fn kvroute_approx(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Row {
+    let wl = &inp.wl;
+    let cap = wl.shape.capacity_per_endpoint;
+    let build = || {
+        let mut ix = ApproxIndex::new(0, cap);
+        for e in 0..inp.w {
+            ix.activate(e);
+        }
+        for p in &wl.placements {
+            ix.observe(&p.keys, p.endpoint);
+        }
+        ix
+    };
+    let apply_s = time_apply(runs, || (), |()| build());
+    let (ix, bytes) = measured(build);
+    let st = ix.stats();
+    let weights = MatchWeights::new(&TierWeights::default());
+    let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
+    let agree = (0..wl.probes.len())
+        .filter(|&i| {
+            ix.match_blocks(&inp.probe_keys[i], &weights, &mut out, &mut scratch);
+            out.blocks == inp.reference[i]
+        })
+        .count();
+    println!("  kvroute approx: {agree}/{} probes match the exact overlap", wl.probes.len());
+    let find_us = time_find(c, group, "kvroute approx", wl.probes.len(), |i| {
+        ix.match_blocks(&inp.probe_keys[i], &weights, &mut out, &mut scratch);
+        out.blocks.len()
+    });
+    Row {
+        name: "kvroute approx (ApproxIndex)",
+        peer: false,
+        exact: false,
+        blocks: wl.placed_blocks(),
+        apply_s,
+        find_us,
+        bytes,
+        self_reported: Some(st.memory_bytes),
+        published: None,
+    }
+}
+
+fn dynamo_radix(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Row {
+    let wl = &inp.wl;
+    let apply = |events: Vec<RouterEvent>| {
+        let mut t = RadixTree::new();
+        for ev in events {
+            t.apply_event(ev).unwrap();
+        }
+        t
+    };
+    let apply_s = time_apply(runs, || dynamo_events(wl), apply);
+    let (t, bytes) = measured(|| {
+        let mut t = RadixTree::new();
+        for (i, ev) in wl.events.iter().enumerate() {
+            t.apply_event(dynamo_event(wl, i, ev)).unwrap();
+        }
+        t
+    });
+    let probes: Vec<Vec<LocalBlockHash>> =
+        wl.probes.iter().map(|p| p.contents.iter().map(|&c| LocalBlockHash(c)).collect()).collect();
+    check_exact("dynamo RadixTree", inp, |i| dynamo_overlap(&t.find_matches(probes[i].clone(), false), inp.w));
+    let find_us = time_find(c, group, "dynamo RadixTree", probes.len(), |i| {
+        t.find_matches(probes[i].clone(), false).scores.len()
+    });
+    Row {
+        name: "dynamo-kv-router RadixTree",
+        peer: true,
+        exact: true,
+        blocks: wl.memberships(),
+        apply_s,
+        find_us,
+        bytes,
+        self_reported: None,
+        published: Some((13.3, 48.4, 79.0)),
+    }
+}
+
+fn dynamo_concurrent(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Row {
+    let wl = &inp.wl;
+    let new_indexer = || ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, 16);
+    let apply = |(ix, events): (ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, Vec<RouterEvent>)| {
+        for ev in events {
+            ix.enqueue_event(ev).unwrap();
+        }
+        block_on(ix.flush_and_wait()).unwrap();
+        ix
+    };
+    let apply_s = time_apply(runs, || (new_indexer(), dynamo_events(wl)), apply);
+    let (ix, bytes) = measured(|| {
+        let ix = new_indexer();
+        for (i, ev) in wl.events.iter().enumerate() {
+            ix.enqueue_event(dynamo_event(wl, i, ev)).unwrap();
+        }
+        block_on(ix.flush_and_wait()).unwrap();
+        ix
+    });
+    let probes: Vec<Vec<LocalBlockHash>> =
+        wl.probes.iter().map(|p| p.contents.iter().map(|&c| LocalBlockHash(c)).collect()).collect();
+    let tree = ix.backend();
+    check_exact("dynamo concurrent", inp, |i| dynamo_overlap(&tree.find_matches(&probes[i], false), inp.w));
+    let find_us =
+        time_find(c, group, "dynamo concurrent", probes.len(), |i| tree.find_matches(&probes[i], false).scores.len());
+    Row {
+        name: "dynamo-kv-router concurrent (1 thread)",
+        peer: true,
+        exact: true,
+        blocks: wl.memberships(),
+        apply_s,
+        find_us,
+        bytes,
+        self_reported: None,
+        published: Some((9.7, 28.1, 165.0)),
+    }
+}
+
+struct Chain {
+    ix: ChainIndex,
+    ids: Vec<u32>,
+    _maps: Vec<ChainBlockMap>,
+}
+
+fn kv_index_chain(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Row {
+    let wl = &inp.wl;
+    let stored: Vec<Vec<StoredBlock>> = wl
+        .placements
+        .iter()
+        .map(|p| {
+            p.contents
+                .iter()
+                .zip(&p.keys)
+                .map(|(&c, &k)| StoredBlock { seq_hash: SequenceHash(k), content_hash: ContentHash(c) })
+                .collect()
+        })
+        .collect();
+    let build = || {
+        let ix = ChainIndex::with_max_workers(inp.w);
+        let ids: Vec<u32> = inp.ids.iter().map(|id| ix.intern_worker(id).unwrap()).collect();
+        let mut maps: Vec<ChainBlockMap> = (0..inp.w).map(|_| ChainBlockMap::new()).collect();
+        for ev in &wl.events {
+            let (e, parent, _, _) = wl.event(ev);
+            let blocks = &stored[ev.placement][ev.start..];
+            ix.apply_stored(ids[e], blocks, parent.map(SequenceHash), &mut maps[e]).unwrap();
+        }
+        Chain { ix, ids, _maps: maps }
+    };
+    let apply_s = time_apply(runs, || (), |()| build());
+    let (ch, bytes) = measured(build);
+    let mut by_id = vec![usize::MAX; ch.ids.iter().copied().max().map_or(0, |m| m as usize + 1)];
+    for (e, &id) in ch.ids.iter().enumerate() {
+        by_id[id as usize] = e;
+    }
+    let probes: Vec<Vec<ContentHash>> =
+        wl.probes.iter().map(|p| p.contents.iter().map(|&c| ContentHash(c)).collect()).collect();
+    check_exact("kv-index ChainIndex", inp, |i| {
+        let mut v = vec![0u32; inp.w];
+        for (&id, &s) in &ch.ix.find_matches(&probes[i], false).scores {
+            v[by_id[id as usize]] = s;
+        }
+        v
+    });
+    let find_alloc = time_find(c, group, "kv-index ChainIndex find_matches", probes.len(), |i| {
+        ch.ix.find_matches(&probes[i], false).scores.len()
+    });
+    let mut out = vec![0u32; by_id.len()];
+    let find_into = time_find(c, group, "kv-index ChainIndex score_into", probes.len(), |i| {
+        ch.ix.score_into(&wl.probes[i].contents, |c| *c, false, |w, s| out[w as usize] = s)
+    });
+    if let (Some(a), Some(b)) = (find_alloc, find_into) {
+        println!("  kv-index ChainIndex: find_matches {a:.2} µs, score_into {b:.2} µs (the table keeps the faster)");
+    }
+    let find_us = match (find_alloc, find_into) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    Row {
+        name: "kv-index ChainIndex",
+        peer: true,
+        exact: true,
+        blocks: wl.memberships(),
+        apply_s,
+        find_us,
+        bytes,
+        self_reported: None,
+        published: Some((12.4, 20.0, 120.0)),
+    }
+}
+
+fn kv_index_token_tree(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str, per_block: usize) -> Row {
+    let wl = &inp.wl;
+    let tokens: Vec<Vec<u32>> = wl.placements.iter().map(|p| PeerWorkload::tokens(&p.contents, per_block)).collect();
+    let build = || {
+        // The page is a block: one token per block and page size 1, or 16 and 16 (SGLang's
+        // default page, vLLM's default block).
+        let t = TokenTree::with_config(per_block, Default::default());
+        for (p, toks) in wl.placements.iter().zip(&tokens) {
+            t.insert_tokens(toks, &inp.ids[p.endpoint]);
+        }
+        t
+    };
+    let apply_s = time_apply(runs, || (), |()| build());
+    let (t, bytes) = measured(build);
+    drop(tokens);
+    let probes: Vec<Vec<u32>> = wl.probes.iter().map(|p| PeerWorkload::tokens(&p.contents, per_block)).collect();
+    let agree = (0..probes.len())
+        .filter(|&i| {
+            let best = inp.reference[i].iter().copied().max().unwrap_or(0) as usize;
+            t.match_prefix_with_counts(&probes[i]).matched_token_count == best * per_block
+        })
+        .count();
+    assert_eq!(agree, probes.len(), "TokenTree's best match equals the exact best overlap");
+    let name = if per_block == 1 { "kv-index TokenTree" } else { "kv-index TokenTree 16 tokens per block" };
+    let find_us =
+        time_find(c, group, name, probes.len(), |i| t.match_prefix_with_counts(&probes[i]).matched_token_count);
+    Row {
+        name: if per_block == 1 {
+            "kv-index TokenTree (approximate; 1 token per block, page 1)"
+        } else {
+            "kv-index TokenTree (approximate; 16 tokens per block, page 16)"
+        },
+        peer: true,
+        exact: false,
+        blocks: wl.placed_blocks(),
+        apply_s,
+        find_us,
+        bytes,
+        self_reported: None,
+        published: if per_block == 1 { Some((19.1, 12.4, 14.0)) } else { None },
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Report
+// ---------------------------------------------------------------------------------------------
+
+fn fmt_ratio(x: Option<f64>) -> String {
+    x.filter(|r| r.is_finite()).map_or_else(|| "—".to_owned(), |r| format!("{r:.2}x"))
+}
+
+/// The best peer figures among `peers`: apply (max), find (min), bytes (min).
+fn best(peers: &[&Row]) -> (f64, f64, f64) {
+    (
+        peers.iter().map(|r| r.apply_mps()).fold(f64::NAN, f64::max),
+        peers.iter().filter_map(|r| r.find_us).fold(f64::NAN, f64::min),
+        peers.iter().map(|r| r.bytes as f64).fold(f64::NAN, f64::min),
+    )
+}
+
+fn report(w: usize, wl: &PeerWorkload, rows: &[Row]) {
+    let memberships = wl.memberships();
+    let peers: Vec<&Row> = rows.iter().filter(|r| r.peer).collect();
+    let all = best(&peers);
+    let exact = best(&peers.iter().copied().filter(|r| r.exact).collect::<Vec<_>>());
+    let approx = best(&peers.iter().copied().filter(|r| !r.exact).collect::<Vec<_>>());
+    println!();
+    println!(
+        "### W={w}: {memberships} distinct memberships ({} placed blocks), {} probes of 128 blocks",
+        wl.placed_blocks(),
+        wl.probes.len()
+    );
+    println!(
+        "ratios: value / best peer's value, over all peers (\"all\") and over peers of the same kind, exact or \
+         approximate (\"kind\"); apply: >1 is better, find-matches and memory: <1 is better"
+    );
+    println!();
+    println!(
+        "| index | apply M blocks/s/thread | ×all | ×kind | find-matches µs | ×all | ×kind | B/membership | ×all | ×kind \
+         | memory MB | self-reported B/m | peers.md (W=512) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let per = r.bytes as f64 / memberships as f64;
+        let kind = if r.exact { exact } else { approx };
+        let ratio = |v: Option<f64>, b: f64| fmt_ratio(v.map(|v| v / b));
+        println!(
+            "| {} | {:.2} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} |",
+            r.name,
+            r.apply_mps(),
+            ratio(Some(r.apply_mps()), all.0),
+            ratio(Some(r.apply_mps()), kind.0),
+            r.find_us.map_or_else(|| "—".to_owned(), |f| format!("{f:.2}")),
+            ratio(r.find_us, all.1),
+            ratio(r.find_us, kind.1),
+            per,
+            ratio(Some(r.bytes as f64), all.2),
+            ratio(Some(r.bytes as f64), kind.2),
+            r.bytes as f64 / 1e6,
+            r.self_reported.map_or_else(|| "—".to_owned(), |b| format!("{:.1}", b as f64 / memberships as f64)),
+            r.published.map_or_else(|| "—".to_owned(), |(a, f, m)| format!("{a} M/s, {f} µs, {m} MB")),
+        );
+    }
+    if let Some(k) = rows.iter().find(|r| r.name.starts_with("kvroute precise")) {
+        let per = k.bytes as f64 / memberships as f64;
+        println!();
+        println!("targets (kvroute precise store, W={w}):");
+        let a = k.apply_mps();
+        println!("- apply ≥ 30 M blocks/s/thread: {a:.1} ({})", verdict(a >= 30.0, a / 30.0));
+        if let Some(f) = k.find_us {
+            if w >= 512 {
+                println!("- find-matches ≤ 6 µs at W=512: {f:.2} µs ({})", verdict(f <= 6.0, f / 6.0));
+            } else {
+                println!("- find-matches (the target is set at W=512): {f:.2} µs");
+            }
+        }
+        println!("- ≤ 16 B per membership: {per:.1} B ({})", verdict(per <= 16.0, per / 16.0));
+    }
+}
+
+fn verdict(met: bool, ratio: f64) -> String {
+    if met {
+        format!("met, {ratio:.2}x of target")
+    } else {
+        format!("MISSED, {ratio:.2}x of target")
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default()
+        .sample_size(SAMPLES)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .configure_from_args();
+    let runs: usize = std::env::var("KVROUTE_PEERS_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(3).max(1);
+    let ws: Vec<usize> = std::env::var("KVROUTE_PEERS_W")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![64, 512]);
+    let mut reports = Vec::new();
+    for w in ws {
+        let shape = WorkloadShape::for_endpoints(w);
+        let wl = PeerWorkload::generate(&shape, 7, 64);
+        let probe_keys: Vec<RequestKeys> = wl
+            .probes
+            .iter()
+            .map(|p| RequestKeys { keys: p.keys.clone(), seq_starts: vec![0], anchor: 0, block_tokens: 16 })
+            .collect();
+        let reference = {
+            let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, shape.capacity_per_endpoint);
+            for e in 0..w {
+                ix.activate(e);
+            }
+            for ev in &wl.events {
+                let (e, _, _, keys) = wl.event(ev);
+                ix.store(keys, e, Medium::Gpu);
+            }
+            let weights = MatchWeights::new(&TierWeights::default());
+            let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
+            probe_keys
+                .iter()
+                .map(|k| {
+                    ix.match_blocks(k, &weights, &mut out, &mut scratch);
+                    out.blocks.clone()
+                })
+                .collect::<Vec<_>>()
+        };
+        let hits = reference.iter().map(|r| r.iter().filter(|&&b| b > 0).count()).sum::<usize>();
+        println!(
+            "W={w}: {} memberships, {} placed blocks; probes hit {:.1} endpoints on average",
+            wl.memberships(),
+            wl.placed_blocks(),
+            hits as f64 / reference.len() as f64
+        );
+        let inp = Inputs { ids: (0..w).map(endpoint_id).collect(), wl, w, probe_keys, reference };
+        let group = format!("find_matches_W{w}");
+        let rows = vec![
+            kvroute_precise(&mut c, &inp, runs, &group),
+            kvroute_router(&inp, runs),
+            kvroute_approx(&mut c, &inp, runs, &group),
+            dynamo_radix(&mut c, &inp, runs, &group),
+            dynamo_concurrent(&mut c, &inp, runs, &group),
+            kv_index_chain(&mut c, &inp, runs, &group),
+            kv_index_token_tree(&mut c, &inp, runs, &group, 1),
+            kv_index_token_tree(&mut c, &inp, runs, &group, 16),
+        ];
+        report(w, &inp.wl, &rows);
+        reports.push((w, inp.wl, rows));
+    }
+    c.final_summary();
+    println!();
+    println!("## Summary (all W)");
+    for (w, wl, rows) in &reports {
+        report(*w, wl, rows);
+    }
+}

@@ -1,0 +1,805 @@
+//! The event-fed precise index: what each endpoint's engine reports it holds, per tier, with
+//! speculative entries for requests just routed and per-publisher stream health.
+//!
+//! # Keys
+//! With dual keys (`index.precise.keys = "dual"`), the index stores the router's own request keys
+//! ([`DualKeyHashing`]). A `BlockStored` event carries the token ids of its blocks and the hash of
+//! their parent block: the router looks the parent up in its engine-key → request-key map (a
+//! chain starting at the root uses the root key of the event's LoRA adapter), computes the request
+//! keys of the stored blocks by chaining over their token ids, stores them and remembers
+//! engine key → request keys. `BlockRemoved` maps engine keys back to request keys the same way.
+//!
+//! Unknown parents: a `BlockStored` whose parent engine key is not in the map (the subscriber
+//! joined after the parent was stored, or the map forgot it) cannot be placed in the chain, so
+//! its blocks are not indexed and are counted in [`PreciseStats::orphan_blocks`]. Nothing wrong is
+//! indexed; the blocks become known when the engine stores them again (vLLM ≥ 0.33 re-emits
+//! `BlockStored` for prefix-cache hits) or when a replay from the start of its buffer is applied.
+//! A `BlockRemoved` for an unknown engine key is ignored.
+//!
+//! # Speculation
+//! Routing a request inserts speculative memberships for its blocks on the chosen endpoint(s);
+//! they count as GPU-resident until the engine confirms them with `BlockStored` (which clears the
+//! flag) or `index.speculative_ttl_ms` passes (they are then withdrawn), driven by `now`.
+//!
+//! # Stream health
+//! Each endpoint's publisher numbers its batches. See [`StreamVerdict`] for how sequence numbers
+//! are judged; an unrecoverable gap clears the endpoint and marks it stale for
+//! `index.precise.stale_recovery_ms`, during which hybrid routing uses the approximate index for
+//! it.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use serde::Serialize;
+
+use crate::config::{KeyScheme, PolicyConfig, PreciseConfig};
+use crate::engine_hash::{BlockExtras, EngineHasher, ExtraKeysForm, LoraAdapter};
+use crate::events::{EventBatch, KvEvent};
+use crate::hashing::{BlockKey, DualKeyHashing, RequestKeys};
+use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
+use crate::request::{Prompt, RouteRequest};
+
+/// How a request's precise keys are computed (one of the two key schemes).
+#[derive(Debug, Clone)]
+pub enum PreciseKeys {
+    /// The router's own chain (see [`DualKeyHashing`]).
+    Dual(DualKeyHashing),
+    /// The engine's own block hashes.
+    Engine {
+        /// The engines' hashing.
+        hasher: EngineHasher,
+        /// LoRA adapter name → path (hashed by vLLM ≥ 0.31).
+        lora_paths: std::collections::BTreeMap<String, String>,
+    },
+}
+
+impl PreciseKeys {
+    /// The scheme a precise-index section describes. The policy was validated, so an engine
+    /// hasher can be built; should that ever fail, dual keys are used.
+    pub fn from_config(p: &PreciseConfig) -> Self {
+        match p.keys {
+            KeyScheme::Engine => match p.engine_hasher() {
+                Ok(hasher) => PreciseKeys::Engine { hasher, lora_paths: p.lora_paths.clone() },
+                Err(_) => PreciseKeys::Dual(DualKeyHashing { block_tokens: p.index_block_tokens }),
+            },
+            KeyScheme::Dual => PreciseKeys::Dual(DualKeyHashing { block_tokens: p.index_block_tokens }),
+        }
+    }
+
+    /// Tokens per index block.
+    pub fn block_tokens(&self) -> u32 {
+        match self {
+            PreciseKeys::Dual(d) => d.block_tokens,
+            PreciseKeys::Engine { hasher, .. } => hasher.block_size() as u32,
+        }
+    }
+
+    /// The precise keys of a request into `out`. Returns `false` (leaving `out` empty) when they
+    /// cannot be computed: a text prompt (no token ids), or — with engine keys — a LoRA adapter
+    /// whose path the engine hashes but the policy does not know.
+    pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys, scratch: &mut Vec<u8>) -> bool {
+        let ok = match self {
+            PreciseKeys::Dual(d) => d.request_keys(req, out),
+            PreciseKeys::Engine { hasher, lora_paths } => engine_request_keys(hasher, lora_paths, req, out, scratch),
+        };
+        if !ok {
+            out.keys.clear();
+            out.seq_starts.clear();
+        }
+        ok
+    }
+}
+
+fn engine_request_keys(
+    hasher: &EngineHasher,
+    lora_paths: &std::collections::BTreeMap<String, String>,
+    req: &RouteRequest,
+    out: &mut RequestKeys,
+    scratch: &mut Vec<u8>,
+) -> bool {
+    out.keys.clear();
+    out.seq_starts.clear();
+    out.block_tokens = hasher.block_size() as u32;
+    out.anchor = 0;
+    let lora = match req.lora_adapter.as_deref() {
+        None => None,
+        Some(name) => match (lora_paths.get(name), hasher.extra_keys_form()) {
+            (Some(path), _) => Some(LoraAdapter { name, path }),
+            (None, ExtraKeysForm::Untagged) => Some(LoraAdapter { name, path: "" }),
+            (None, ExtraKeysForm::Tagged) => return false,
+        },
+    };
+    let extras = BlockExtras { lora, cache_salt: req.cache_salt.as_deref() };
+    for p in &req.prompts {
+        let Prompt::Tokens(ids) = p else { return false };
+        out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
+        if hasher.block_keys(ids, &extras, scratch, &mut out.keys).is_err() {
+            return false;
+        }
+        out.anchor ^= out.keys.last().copied().unwrap_or(0);
+    }
+    true
+}
+
+/// Keys are already hashes: mix them once and use the result.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        let mut x = n ^ 0x9E37_79B9_7F4A_7C15;
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        self.0 = x ^ (x >> 31);
+    }
+}
+
+type KeyMap<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
+
+/// Request keys of one engine block: one per index block it spans.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ReqKeys {
+    One(u64),
+    Many(Box<[u64]>),
+}
+
+impl ReqKeys {
+    fn as_slice(&self) -> &[u64] {
+        match self {
+            ReqKeys::One(k) => std::slice::from_ref(k),
+            ReqKeys::Many(v) => v,
+        }
+    }
+    fn last(&self) -> u64 {
+        *self.as_slice().last().unwrap_or(&0)
+    }
+}
+
+/// Engine key → request keys, bounded by two generations: when the current map reaches half the
+/// capacity it becomes the previous one (the older previous one is dropped); a hit in the previous
+/// map moves the entry forward. Memory stays below `capacity` entries; recently used engine blocks
+/// are never forgotten first.
+#[derive(Debug)]
+struct EngineKeyMap {
+    cur: KeyMap<ReqKeys>,
+    prev: KeyMap<ReqKeys>,
+    capacity: usize,
+}
+
+impl EngineKeyMap {
+    fn new(capacity: usize) -> Self {
+        EngineKeyMap { cur: KeyMap::default(), prev: KeyMap::default(), capacity }
+    }
+
+    fn get(&mut self, engine: u64) -> Option<&ReqKeys> {
+        if !self.cur.contains_key(&engine) {
+            let v = self.prev.remove(&engine)?;
+            self.insert(engine, v);
+        }
+        self.cur.get(&engine)
+    }
+
+    fn insert(&mut self, engine: u64, keys: ReqKeys) {
+        if self.cur.len() >= self.capacity / 2 && !self.cur.contains_key(&engine) {
+            self.prev = std::mem::take(&mut self.cur);
+        }
+        self.cur.insert(engine, keys);
+    }
+
+    fn len(&self) -> usize {
+        self.cur.len() + self.prev.len()
+    }
+
+    fn memory_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(u64, ReqKeys)>() + 1;
+        (self.cur.capacity() + self.prev.capacity()) * entry
+    }
+
+    #[cfg(test)]
+    fn clear(&mut self) {
+        self.cur = KeyMap::default();
+        self.prev = KeyMap::default();
+    }
+}
+
+/// How a batch's sequence number is judged against what the stream has seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "verdict")]
+pub enum StreamVerdict {
+    /// In order (or the first batch seen, or unnumbered): applied.
+    Applied,
+    /// Already seen (a replayed or repeated batch): ignored.
+    Duplicate,
+    /// Batches `expected .. got` are missing: NOT applied. Replay from `expected` and submit the
+    /// replayed batches (then this one again); if replay is unavailable or no longer reaches
+    /// `expected`, call the router's `resync_stream` and submit this batch again.
+    Gap {
+        /// First missing sequence number.
+        expected: u64,
+        /// The sequence number received.
+        got: u64,
+    },
+    /// The publisher restarted (sequence went back while the batch is newer than anything seen):
+    /// the endpoint's entries were cleared and the batch applied.
+    Reset,
+}
+
+/// Per-endpoint stream state.
+#[derive(Debug, Clone, Default)]
+struct Stream {
+    last_seq: Option<u64>,
+    last_ts: f64,
+    seen_events: bool,
+    stale_until_ms: u64,
+}
+
+/// What applying a batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ApplyOutcome {
+    /// The stream verdict (only `Applied` and `Reset` change the index).
+    pub verdict: StreamVerdict,
+    /// Events applied.
+    pub events: u32,
+    /// Blocks stored or removed.
+    pub blocks: u64,
+}
+
+/// Counters and sizes of the precise index.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PreciseStats {
+    /// The block store.
+    pub index: IndexStats,
+    /// Engine blocks in the engine-key → request-key map.
+    pub mapped_engine_blocks: u64,
+    /// Heap bytes of that map.
+    pub map_memory_bytes: u64,
+    /// Batches applied.
+    pub batches: u64,
+    /// Blocks stored.
+    pub blocks_stored: u64,
+    /// Blocks removed.
+    pub blocks_removed: u64,
+    /// Stored blocks that could not be indexed because their parent was unknown.
+    pub orphan_blocks: u64,
+    /// Stored events skipped because their block size is not a multiple of the index block size
+    /// or their token ids do not cover their blocks.
+    pub malformed_events: u64,
+    /// Duplicate batches ignored.
+    pub duplicates: u64,
+    /// Gaps detected.
+    pub gaps: u64,
+    /// Publisher restarts detected.
+    pub resets: u64,
+    /// Streams resynchronized after an unrecoverable gap.
+    pub resyncs: u64,
+    /// Speculations (routed requests) not yet expired.
+    pub speculative_requests: u64,
+    /// Speculative (block, endpoint) memberships not yet expired.
+    pub speculative_blocks: u64,
+}
+
+#[derive(Debug)]
+struct Speculation {
+    expires_ms: u64,
+    slot: usize,
+    incarnation: u32,
+    keys: Box<[BlockKey]>,
+}
+
+/// The precise index (see the module docs). Slots are the endpoint table's.
+pub struct KvIndex {
+    blocks: PrefixIndex<ExactBucket>,
+    scheme: KeyScheme,
+    hashing: DualKeyHashing,
+    engine_block_tokens: u32,
+    map: EngineKeyMap,
+    speculation: VecDeque<Speculation>,
+    /// Latest expiry of each speculative (key, slot) membership: an older speculation expiring
+    /// must not withdraw what a newer one (of this or another request sharing the prefix) covers.
+    spec_expiry: HashMap<(u64, u16), u64, BuildHasherDefault<KeyHasher>>,
+    streams: Vec<Stream>,
+    stats: PreciseStats,
+    scratch_keys: Vec<BlockKey>,
+    scratch_bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for KvIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvIndex").field("stats", &self.stats()).finish_non_exhaustive()
+    }
+}
+
+impl KvIndex {
+    /// An empty index configured by `cfg` (`index.precise`).
+    pub fn new(cfg: &PolicyConfig, fingerprint: u64, capacity: u32) -> Self {
+        let p = &cfg.index.precise;
+        KvIndex {
+            blocks: PrefixIndex::new(fingerprint, capacity),
+            scheme: p.keys,
+            hashing: DualKeyHashing { block_tokens: p.index_block_tokens },
+            engine_block_tokens: p.engine_block_tokens,
+            map: EngineKeyMap::new(p.key_map_capacity),
+            speculation: VecDeque::new(),
+            spec_expiry: HashMap::default(),
+            streams: Vec::new(),
+            stats: PreciseStats::default(),
+            scratch_keys: Vec::new(),
+            scratch_bytes: Vec::new(),
+        }
+    }
+
+    /// The key-parameter fingerprint the stored keys were made under.
+    pub fn fingerprint(&self) -> u64 {
+        self.blocks.fingerprint()
+    }
+
+    /// Adopt new key parameters (see `Router::reload`): everything is forgotten.
+    pub fn reconfigure(&mut self, cfg: &PolicyConfig, fingerprint: u64) {
+        let p = &cfg.index.precise;
+        self.blocks.reset(fingerprint);
+        self.scheme = p.keys;
+        self.hashing = DualKeyHashing { block_tokens: p.index_block_tokens };
+        self.engine_block_tokens = p.engine_block_tokens;
+        self.map = EngineKeyMap::new(p.key_map_capacity);
+        self.speculation.clear();
+        self.spec_expiry.clear();
+        for s in &mut self.streams {
+            *s = Stream::default();
+        }
+    }
+
+    /// Change the per-endpoint capacity and the map capacity.
+    pub fn set_capacity(&mut self, capacity: u32, key_map_capacity: usize) {
+        self.blocks.set_capacity(capacity);
+        self.map.capacity = key_map_capacity;
+    }
+
+    /// The request-key hashing.
+    pub fn hashing(&self) -> DualKeyHashing {
+        self.hashing
+    }
+
+    pub(crate) fn slot_reusable(&self, slot: usize) -> bool {
+        self.blocks.slot_reusable(slot)
+    }
+
+    pub(crate) fn activate(&mut self, slot: usize) {
+        self.blocks.activate(slot);
+        if self.streams.len() <= slot {
+            self.streams.resize(slot + 1, Stream::default());
+        }
+        self.streams[slot] = Stream::default();
+    }
+
+    pub(crate) fn retire(&mut self, slot: usize) {
+        self.blocks.retire(slot);
+        if let Some(s) = self.streams.get_mut(slot) {
+            *s = Stream::default();
+        }
+    }
+
+    /// Whether routing may trust this endpoint's precise entries: it has delivered events and is
+    /// not recovering from an unrecoverable gap.
+    pub fn healthy(&self, slot: usize, now_ms: u64) -> bool {
+        self.streams.get(slot).is_some_and(|s| s.seen_events && now_ms >= s.stale_until_ms)
+    }
+
+    /// Judge and (when in order) apply one decoded batch from `slot`'s publisher.
+    pub fn apply(&mut self, slot: usize, batch: &EventBatch, seq: Option<u64>) -> ApplyOutcome {
+        if self.streams.len() <= slot {
+            self.streams.resize(slot + 1, Stream::default());
+        }
+        let st = &self.streams[slot];
+        let verdict = match (seq, st.last_seq) {
+            (None, _) | (Some(_), None) => StreamVerdict::Applied,
+            (Some(s), Some(last)) if s == last.wrapping_add(1) => StreamVerdict::Applied,
+            (Some(s), Some(last)) if s <= last => {
+                if batch.ts > st.last_ts {
+                    StreamVerdict::Reset
+                } else {
+                    StreamVerdict::Duplicate
+                }
+            }
+            (Some(s), Some(last)) => StreamVerdict::Gap { expected: last + 1, got: s },
+        };
+        match verdict {
+            StreamVerdict::Duplicate => {
+                self.stats.duplicates += 1;
+                return ApplyOutcome { verdict, events: 0, blocks: 0 };
+            }
+            StreamVerdict::Gap { .. } => {
+                self.stats.gaps += 1;
+                return ApplyOutcome { verdict, events: 0, blocks: 0 };
+            }
+            StreamVerdict::Reset => {
+                self.stats.resets += 1;
+                self.blocks.clear_slot(slot);
+            }
+            StreamVerdict::Applied => {}
+        }
+        let st = &mut self.streams[slot];
+        if let Some(s) = seq {
+            st.last_seq = Some(s);
+        }
+        st.last_ts = st.last_ts.max(batch.ts);
+        st.seen_events = true;
+        let mut blocks = 0u64;
+        for ev in &batch.events {
+            blocks += self.apply_event(slot, ev);
+        }
+        self.stats.batches += 1;
+        ApplyOutcome { verdict, events: batch.events.len() as u32, blocks }
+    }
+
+    fn apply_event(&mut self, slot: usize, ev: &KvEvent) -> u64 {
+        match (ev, self.scheme) {
+            (KvEvent::BlockStored(s), KeyScheme::Engine) => {
+                // Engine keys are the index keys.
+                self.blocks.store(&s.block_hashes, slot, s.medium);
+                self.stats.blocks_stored += s.block_hashes.len() as u64;
+                s.block_hashes.len() as u64
+            }
+            (KvEvent::BlockRemoved(r), KeyScheme::Engine) => {
+                self.blocks.remove(&r.block_hashes, slot, r.medium);
+                self.stats.blocks_removed += r.block_hashes.len() as u64;
+                r.block_hashes.len() as u64
+            }
+            (KvEvent::BlockStored(s), KeyScheme::Dual) => {
+                let bs = s.block_size as usize;
+                let ib = self.hashing.block_tokens as usize;
+                let n = s.block_hashes.len();
+                if bs == 0 || bs % ib != 0 || s.token_ids.len() < n * bs {
+                    self.stats.malformed_events += 1;
+                    return 0;
+                }
+                let mut parent = match s.parent_block_hash {
+                    None => DualKeyHashing::root(s.lora_name.as_deref(), s.cache_salt.as_deref()),
+                    Some(p) => match self.map.get(p) {
+                        Some(keys) => keys.last(),
+                        None => {
+                            self.stats.orphan_blocks += n as u64;
+                            return 0;
+                        }
+                    },
+                };
+                self.scratch_keys.clear();
+                for (i, &engine) in s.block_hashes.iter().enumerate() {
+                    let start = self.scratch_keys.len();
+                    parent = self.hashing.chain(
+                        parent,
+                        &s.token_ids[i * bs..(i + 1) * bs],
+                        &mut self.scratch_keys,
+                        &mut self.scratch_bytes,
+                    );
+                    let keys = &self.scratch_keys[start..];
+                    let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
+                    self.map.insert(engine, entry);
+                }
+                self.blocks.store(&self.scratch_keys, slot, s.medium);
+                self.stats.blocks_stored += n as u64;
+                n as u64
+            }
+            (KvEvent::BlockRemoved(r), KeyScheme::Dual) => {
+                self.scratch_keys.clear();
+                for &engine in &r.block_hashes {
+                    if let Some(keys) = self.map.get(engine) {
+                        self.scratch_keys.extend_from_slice(keys.as_slice());
+                    }
+                }
+                self.blocks.remove(&self.scratch_keys, slot, r.medium);
+                self.stats.blocks_removed += r.block_hashes.len() as u64;
+                r.block_hashes.len() as u64
+            }
+            (KvEvent::AllBlocksCleared, _) => {
+                self.blocks.clear_slot(slot);
+                0
+            }
+        }
+    }
+
+    /// Give up on a gapped stream: drop the endpoint's entries, forget its sequence (the next batch
+    /// is accepted as a fresh start) and treat it as stale until `now + stale_recovery_ms`.
+    pub fn resync(&mut self, slot: usize, now_ms: u64, stale_recovery_ms: u64) {
+        self.blocks.clear_slot(slot);
+        if self.streams.len() <= slot {
+            self.streams.resize(slot + 1, Stream::default());
+        }
+        let st = &mut self.streams[slot];
+        st.last_seq = None;
+        st.stale_until_ms = now_ms.saturating_add(stale_recovery_ms);
+        self.stats.resyncs += 1;
+    }
+
+    /// Insert speculative entries for a routed request on `slot` (withdrawn at `expires_ms`
+    /// unless confirmed before).
+    pub(crate) fn speculate(&mut self, keys: &RequestKeys, slot: usize, incarnation: u32, expires_ms: u64) {
+        if keys.keys.is_empty() {
+            return;
+        }
+        for seq in keys.sequences() {
+            self.blocks.speculate(seq, slot);
+        }
+        let s16 = slot as u16;
+        for &k in &keys.keys {
+            let e = self.spec_expiry.entry((k, s16)).or_insert(0);
+            *e = (*e).max(expires_ms);
+        }
+        self.speculation.push_back(Speculation { expires_ms, slot, incarnation, keys: keys.keys.as_slice().into() });
+    }
+
+    /// Withdraw speculation whose time has come. `live(slot, incarnation)` tells whether the
+    /// slot still belongs to the endpoint the speculation was made for.
+    pub(crate) fn expire(&mut self, now_ms: u64, live: impl Fn(usize, u32) -> bool) {
+        while self.speculation.front().is_some_and(|s| s.expires_ms <= now_ms) {
+            let Some(s) = self.speculation.pop_front() else { break };
+            let still_here = live(s.slot, s.incarnation);
+            let s16 = s.slot as u16;
+            self.scratch_keys.clear();
+            for &k in s.keys.iter() {
+                match self.spec_expiry.get(&(k, s16)) {
+                    Some(&e) if e <= now_ms => {
+                        self.spec_expiry.remove(&(k, s16));
+                        self.scratch_keys.push(k);
+                    }
+                    // A newer speculation covers it, or it was already withdrawn.
+                    _ => {}
+                }
+            }
+            if still_here {
+                self.blocks.unspeculate(&self.scratch_keys, s.slot);
+            }
+        }
+    }
+
+    /// Longest held prefix per slot.
+    pub fn match_blocks(
+        &self,
+        keys: &RequestKeys,
+        weights: &MatchWeights,
+        out: &mut PrefixMatch,
+        scratch: &mut MatchScratch,
+    ) {
+        self.blocks.match_blocks(keys, weights, out, scratch);
+    }
+
+    /// The underlying block store (diagnostics and tests).
+    pub fn blocks(&self) -> &PrefixIndex<ExactBucket> {
+        &self.blocks
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> PreciseStats {
+        PreciseStats {
+            index: self.blocks.stats(),
+            mapped_engine_blocks: self.map.len() as u64,
+            map_memory_bytes: self.map.memory_bytes() as u64,
+            speculative_requests: self.speculation.len() as u64,
+            speculative_blocks: self.spec_expiry.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Forget the engine-key map (tests).
+    #[cfg(test)]
+    fn forget_map(&mut self) {
+        self.map.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TierWeights;
+    use crate::events::{BlockRemoved, BlockStored, Medium};
+
+    fn index() -> KvIndex {
+        let cfg = PolicyConfig::default();
+        let mut ix = KvIndex::new(&cfg, 0, 1 << 14);
+        ix.activate(0);
+        ix.activate(1);
+        ix
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32, medium: Medium) -> KvEvent {
+        let n = hashes.len() as u32;
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: (first_token..first_token + 16 * n).collect(),
+            block_size: 16,
+            lora_id: None,
+            medium,
+            lora_name: None,
+            group_idx: None,
+            cache_salt: None,
+        })
+    }
+
+    fn batch(ts: f64, events: Vec<KvEvent>) -> EventBatch {
+        EventBatch { ts, events, data_parallel_rank: None }
+    }
+
+    fn request_keys(ix: &KvIndex, tokens: std::ops::Range<u32>) -> RequestKeys {
+        let mut r = crate::request::RouteRequest::text("m", "");
+        r.prompts = vec![crate::request::Prompt::Tokens(tokens.collect())];
+        let mut k = RequestKeys::default();
+        assert!(ix.hashing().request_keys(&r, &mut k));
+        k
+    }
+
+    fn matched(ix: &KvIndex, keys: &RequestKeys) -> Vec<u32> {
+        let mut out = PrefixMatch::default();
+        ix.match_blocks(keys, &MatchWeights::new(&TierWeights::default()), &mut out, &mut MatchScratch::default());
+        out.blocks
+    }
+
+    #[test]
+    fn stored_chains_are_found_by_request_keys() {
+        let mut ix = index();
+        // Two events: blocks 0..2 from the root, then 2..4 continuing from engine hash 102.
+        ix.apply(0, &batch(1.0, vec![stored(&[101, 102], None, 0, Medium::Gpu)]), Some(0));
+        ix.apply(0, &batch(2.0, vec![stored(&[103, 104], Some(102), 32, Medium::Gpu)]), Some(1));
+        let k = request_keys(&ix, 0..80);
+        assert_eq!(k.keys.len(), 5);
+        assert_eq!(matched(&ix, &k), vec![4, 0]);
+        // Removal through the engine keys.
+        ix.apply(
+            0,
+            &batch(
+                3.0,
+                vec![KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: vec![103],
+                    medium: Medium::Gpu,
+                    group_idx: None,
+                })],
+            ),
+            Some(2),
+        );
+        assert_eq!(matched(&ix, &k), vec![2, 0]);
+        let s = ix.stats();
+        assert_eq!((s.blocks_stored, s.blocks_removed, s.orphan_blocks), (4, 1, 0));
+    }
+
+    #[test]
+    fn unknown_parents_are_orphans_not_guesses() {
+        let mut ix = index();
+        ix.apply(0, &batch(1.0, vec![stored(&[201], Some(999), 0, Medium::Gpu)]), None);
+        assert_eq!(ix.stats().orphan_blocks, 1);
+        assert_eq!(ix.blocks().stats().memberships, 0);
+        // Once the map forgets a parent, its children are orphans too.
+        ix.apply(0, &batch(2.0, vec![stored(&[101], None, 0, Medium::Gpu)]), None);
+        ix.forget_map();
+        ix.apply(0, &batch(3.0, vec![stored(&[102], Some(101), 16, Medium::Gpu)]), None);
+        assert_eq!(ix.stats().orphan_blocks, 2);
+    }
+
+    #[test]
+    fn engine_blocks_larger_than_index_blocks() {
+        let mut cfg = PolicyConfig::default();
+        cfg.index.precise.engine_block_tokens = 64;
+        cfg.index.precise.index_block_tokens = 16;
+        let mut ix = KvIndex::new(&cfg, 0, 1 << 14);
+        ix.activate(0);
+        let ev = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![7, 8],
+            parent_block_hash: None,
+            token_ids: (0..128).collect(),
+            block_size: 64,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            group_idx: None,
+            cache_salt: None,
+        });
+        ix.apply(0, &batch(1.0, vec![ev]), None);
+        let k = request_keys(&ix, 0..130);
+        assert_eq!(k.keys.len(), 8);
+        assert_eq!(matched(&ix, &k), vec![8]);
+        ix.apply(
+            0,
+            &batch(
+                2.0,
+                vec![KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: vec![8],
+                    medium: Medium::Gpu,
+                    group_idx: None,
+                })],
+            ),
+            None,
+        );
+        assert_eq!(matched(&ix, &k), vec![4], "removing one engine block removes its four index blocks");
+        // A block size that is not a multiple of the index block is skipped and counted.
+        let odd = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![9],
+            parent_block_hash: None,
+            token_ids: (0..24).collect(),
+            block_size: 24,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            group_idx: None,
+            cache_salt: None,
+        });
+        ix.apply(0, &batch(3.0, vec![odd]), None);
+        assert_eq!(ix.stats().malformed_events, 1);
+    }
+
+    #[test]
+    fn sequence_tracking() {
+        let mut ix = index();
+        let b = |ts| batch(ts, vec![stored(&[101], None, 0, Medium::Gpu)]);
+        assert_eq!(ix.apply(0, &b(1.0), Some(5)).verdict, StreamVerdict::Applied, "first batch starts the stream");
+        assert_eq!(ix.apply(0, &b(2.0), Some(6)).verdict, StreamVerdict::Applied);
+        assert_eq!(ix.apply(0, &b(2.0), Some(6)).verdict, StreamVerdict::Duplicate);
+        assert_eq!(ix.apply(0, &b(1.5), Some(3)).verdict, StreamVerdict::Duplicate, "old replayed batch");
+        assert_eq!(ix.apply(0, &b(3.0), Some(9)).verdict, StreamVerdict::Gap { expected: 7, got: 9 });
+        // Replay fills the gap, then the held batch applies.
+        assert_eq!(ix.apply(0, &b(2.5), Some(7)).verdict, StreamVerdict::Applied);
+        assert_eq!(ix.apply(0, &b(2.6), Some(8)).verdict, StreamVerdict::Applied);
+        assert_eq!(ix.apply(0, &b(3.0), Some(9)).verdict, StreamVerdict::Applied);
+        // Publisher restart: sequence back to 0 with a newer timestamp clears the endpoint.
+        let k = request_keys(&ix, 0..16);
+        assert_eq!(matched(&ix, &k), vec![1, 0]);
+        let restart = batch(10.0, vec![stored(&[555], None, 1000, Medium::Gpu)]);
+        assert_eq!(ix.apply(0, &restart, Some(0)).verdict, StreamVerdict::Reset);
+        assert_eq!(matched(&ix, &k), vec![0, 0], "cleared on restart");
+        let s = ix.stats();
+        assert_eq!((s.duplicates, s.gaps, s.resets), (2, 1, 1));
+    }
+
+    #[test]
+    fn unrecoverable_gap_resyncs_and_marks_stale() {
+        let mut ix = index();
+        let b = |ts| batch(ts, vec![stored(&[101], None, 0, Medium::Gpu)]);
+        ix.apply(0, &b(1.0), Some(0));
+        assert!(ix.healthy(0, 0));
+        assert!(!ix.healthy(1, 0), "no events yet: not healthy");
+        let v = ix.apply(0, &b(2.0), Some(50)).verdict;
+        assert_eq!(v, StreamVerdict::Gap { expected: 1, got: 50 });
+        ix.resync(0, 1_000, 30_000);
+        assert!(!ix.healthy(0, 1_000));
+        assert_eq!(matched(&ix, &request_keys(&ix, 0..16)), vec![0, 0]);
+        assert_eq!(ix.apply(0, &b(2.0), Some(50)).verdict, StreamVerdict::Applied);
+        assert!(!ix.healthy(0, 30_999));
+        assert!(ix.healthy(0, 31_000));
+    }
+
+    #[test]
+    fn an_older_speculation_does_not_withdraw_a_newer_one() {
+        let mut ix = index();
+        let short = request_keys(&ix, 0..32);
+        let long = request_keys(&ix, 0..64);
+        ix.speculate(&short, 0, 1, 2_000);
+        ix.speculate(&long, 0, 1, 3_500);
+        ix.expire(2_500, |_, _| true);
+        assert_eq!(matched(&ix, &long), vec![4, 0], "the shared prefix is still covered by the newer request");
+        ix.expire(3_500, |_, _| true);
+        assert_eq!(matched(&ix, &long), vec![0, 0]);
+        assert!(ix.spec_expiry.is_empty());
+    }
+
+    #[test]
+    fn speculation_expires_unless_confirmed() {
+        let mut ix = index();
+        let k = request_keys(&ix, 0..48);
+        ix.speculate(&k, 1, 7, 2_000);
+        assert_eq!(matched(&ix, &k), vec![0, 3]);
+        // The engine confirms the first two blocks on endpoint 1.
+        ix.apply(1, &batch(1.0, vec![stored(&[1, 2], None, 0, Medium::Gpu)]), None);
+        ix.expire(2_000, |_, inc| inc == 7);
+        assert_eq!(matched(&ix, &k), vec![0, 2]);
+        assert_eq!(ix.stats().speculative_requests, 0);
+        // A speculation for a slot that changed hands is not withdrawn from the new holder.
+        ix.speculate(&k, 0, 1, 3_000);
+        ix.expire(3_000, |_, inc| inc == 2);
+        assert_eq!(matched(&ix, &k), vec![3, 2]);
+    }
+}
