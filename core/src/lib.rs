@@ -71,6 +71,6 @@ pub use events::{
 pub use hashing::{ApproxHashing, BlockKey, DualKeyHashing, RequestKeys};
 pub use index::{ApproxIndex, IndexStats};
 pub use precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats, StreamVerdict};
-pub use request::{Api, Horizon, JudgmentHint, Prompt, RouteRequest};
+pub use request::{Api, ChatInput, ChatMessage, Horizon, JudgmentHint, Prompt, RawJson, RouteRequest};
 pub use router::{ActivePolicy, EndpointInfo, Router, RouterCounters, RouterStats};
 pub use score::{EndpointScore, FilterReason};

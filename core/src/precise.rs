@@ -75,33 +75,69 @@ impl PreciseKeys {
     }
 
     /// The precise keys of a request into `out`. Returns `false` (leaving `out` empty) when they
-    /// cannot be computed: a text prompt (no token ids), or — with engine keys — a LoRA adapter
-    /// whose path the engine hashes but the policy does not know.
+    /// cannot be computed: a text prompt (no token ids; see the router's tokenizer), or — with
+    /// engine keys — a LoRA adapter whose path the engine hashes but the policy does not know.
     pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys, scratch: &mut Vec<u8>) -> bool {
+        let mut seqs: Vec<&[u32]> = Vec::with_capacity(req.prompts.len());
+        for p in &req.prompts {
+            match p {
+                Prompt::Tokens(ids) => seqs.push(ids),
+                Prompt::Text(_) => {
+                    clear(out);
+                    return false;
+                }
+            }
+        }
+        self.keys_for_tokens(req.lora_adapter.as_deref(), req.cache_salt.as_deref(), &seqs, out, scratch)
+    }
+
+    /// The precise keys of token sequences (a request's prompts, tokenized) into `out`.
+    pub fn keys_for_tokens(
+        &self,
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+        seqs: &[&[u32]],
+        out: &mut RequestKeys,
+        scratch: &mut Vec<u8>,
+    ) -> bool {
+        clear(out);
+        out.block_tokens = self.block_tokens();
         let ok = match self {
-            PreciseKeys::Dual(d) => d.request_keys(req, out),
-            PreciseKeys::Engine { hasher, lora_paths } => engine_request_keys(hasher, lora_paths, req, out, scratch),
+            PreciseKeys::Dual(d) => {
+                let root = DualKeyHashing::root(lora, cache_salt);
+                for ids in seqs {
+                    out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
+                    out.anchor ^= d.chain(root, ids, &mut out.keys, scratch);
+                }
+                true
+            }
+            PreciseKeys::Engine { hasher, lora_paths } => {
+                engine_keys(hasher, lora_paths, lora, cache_salt, seqs, out, scratch)
+            }
         };
         if !ok {
-            out.keys.clear();
-            out.seq_starts.clear();
+            clear(out);
         }
         ok
     }
 }
 
-fn engine_request_keys(
+fn clear(out: &mut RequestKeys) {
+    out.keys.clear();
+    out.seq_starts.clear();
+    out.anchor = 0;
+}
+
+fn engine_keys(
     hasher: &EngineHasher,
     lora_paths: &std::collections::BTreeMap<String, String>,
-    req: &RouteRequest,
+    lora: Option<&str>,
+    cache_salt: Option<&str>,
+    seqs: &[&[u32]],
     out: &mut RequestKeys,
     scratch: &mut Vec<u8>,
 ) -> bool {
-    out.keys.clear();
-    out.seq_starts.clear();
-    out.block_tokens = hasher.block_size() as u32;
-    out.anchor = 0;
-    let lora = match req.lora_adapter.as_deref() {
+    let lora = match lora {
         None => None,
         Some(name) => match (lora_paths.get(name), hasher.extra_keys_form()) {
             (Some(path), _) => Some(LoraAdapter { name, path }),
@@ -109,9 +145,8 @@ fn engine_request_keys(
             (None, ExtraKeysForm::Tagged) => return false,
         },
     };
-    let extras = BlockExtras { lora, cache_salt: req.cache_salt.as_deref() };
-    for p in &req.prompts {
-        let Prompt::Tokens(ids) = p else { return false };
+    let extras = BlockExtras { lora, cache_salt };
+    for ids in seqs {
         out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
         if hasher.block_keys(ids, &extras, scratch, &mut out.keys).is_err() {
             return false;

@@ -78,6 +78,87 @@ pub struct JudgmentHint {
     pub bypass_probability: Option<f64>,
 }
 
+/// A JSON value kept as its source text, so object keys keep the order the client wrote them in
+/// (a chat template's `tojson` prints them in that order, as Python does).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawJson(Box<str>);
+
+impl RawJson {
+    /// Validates `text` as one JSON value.
+    pub fn new(text: &str) -> Result<RawJson, serde_json::Error> {
+        serde_json::from_str::<serde::de::IgnoredAny>(text)?;
+        Ok(RawJson(text.into()))
+    }
+
+    /// The JSON text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&serde_json::Value> for RawJson {
+    /// From a parsed value. `serde_json` without `preserve_order` has sorted object keys, so
+    /// `tojson` output can differ from the client's key order; prefer [`RawJson::new`] on the
+    /// request's own text.
+    fn from(v: &serde_json::Value) -> RawJson {
+        RawJson(v.to_string().into())
+    }
+}
+
+/// One OpenAI chat message as a chat template sees it. `None` fields are absent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`, …
+    pub role: String,
+    /// Text content (for content parts, the text parts joined with `"\n"`, as vLLM does for
+    /// templates that take string content).
+    pub content: Option<String>,
+    /// `name`.
+    pub name: Option<String>,
+    /// `tool_calls` (a JSON array, as the client sent it).
+    pub tool_calls: Option<RawJson>,
+    /// `tool_call_id`.
+    pub tool_call_id: Option<String>,
+    /// `reasoning_content` (earlier reasoning that some templates render).
+    pub reasoning_content: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message with a role and text content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: Some(content.into()),
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
+            reasoning_content: None,
+        }
+    }
+
+    /// A message with a role and no content (e.g. an assistant message with only tool calls).
+    pub fn without_content(role: impl Into<String>) -> ChatMessage {
+        ChatMessage { content: None, ..ChatMessage::new(role, "") }
+    }
+}
+
+/// A chat request's inputs to the model's chat template (kept so a tokenizer can produce the
+/// engine's exact token ids).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatInput {
+    /// The messages.
+    pub messages: Vec<ChatMessage>,
+    /// `tools`, as sent.
+    pub tools: Option<RawJson>,
+    /// `chat_template_kwargs` (vLLM), name → value.
+    pub chat_template_kwargs: Vec<(String, RawJson)>,
+    /// `add_generation_prompt` (vLLM; default true).
+    pub add_generation_prompt: bool,
+    /// `continue_final_message` (vLLM; default false).
+    pub continue_final_message: bool,
+}
+
 /// A parsed inference request: everything routing needs, nothing else.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteRequest {
@@ -103,8 +184,11 @@ pub struct RouteRequest {
     pub priority: i32,
     /// Judgment hint headers.
     pub hint: JudgmentHint,
-    /// Prompt sequences (several for a batched completions request).
+    /// Prompt sequences (several for a batched completions request). Chat requests have one,
+    /// the tokenizer-free rendering of the conversation.
     pub prompts: Vec<Prompt>,
+    /// Chat requests: the template inputs (for exact tokenization).
+    pub chat: Option<ChatInput>,
 }
 
 impl RouteRequest {
@@ -123,6 +207,7 @@ impl RouteRequest {
             priority: 0,
             hint: JudgmentHint::default(),
             prompts: vec![Prompt::Text(prompt.as_bytes().to_vec())],
+            chat: None,
         }
     }
 
@@ -180,14 +265,29 @@ impl RouteRequest {
             Some(_) => return Err(RequestError::field("model", "must not be empty")),
             None => return Err(RequestError::field("model", "missing")),
         };
-        let prompts = match api {
+        let (prompts, chat) = match api {
             Api::Completions => match raw.prompt {
-                Some(p) => p.0,
+                Some(p) => (p.0, None),
                 None => return Err(RequestError::field("prompt", "missing (required for /v1/completions)")),
             },
             Api::ChatCompletions => match raw.messages {
                 Some(msgs) if msgs.is_empty() => return Err(RequestError::field("messages", "must not be empty")),
-                Some(msgs) => vec![Prompt::Text(render_chat(&msgs, raw.tools.as_ref()))],
+                Some(msgs) => {
+                    let prompt = Prompt::Text(render_chat(&msgs, raw.tools.as_deref()));
+                    let chat = ChatInput {
+                        messages: msgs.into_iter().map(|ObjectOnly(m)| m.into_message()).collect(),
+                        tools: raw.tools.as_deref().map(|t| RawJson(t.get().into())),
+                        chat_template_kwargs: raw
+                            .chat_template_kwargs
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|(k, v)| (k, RawJson(v.get().into())))
+                            .collect(),
+                        add_generation_prompt: raw.add_generation_prompt.unwrap_or(true),
+                        continue_final_message: raw.continue_final_message.unwrap_or(false),
+                    };
+                    (vec![prompt], Some(chat))
+                }
                 None => return Err(RequestError::field("messages", "missing (required for /v1/chat/completions)")),
             },
         };
@@ -205,6 +305,7 @@ impl RouteRequest {
             priority: h.priority,
             hint: h.hint,
             prompts,
+            chat,
         })
     }
 }
@@ -296,7 +397,10 @@ struct RawBody {
     max_completion_tokens: Option<u64>,
     cache_salt: Option<String>,
     stream: Option<bool>,
-    tools: Option<serde_json::Value>,
+    tools: Option<Box<serde_json::value::RawValue>>,
+    chat_template_kwargs: Option<std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
 }
 
 /// Deserializes `T` only from a JSON object: serde's derived structs also accept arrays of
@@ -325,8 +429,34 @@ struct RawMessage {
     #[serde(default)]
     content: RawContent,
     name: Option<String>,
-    tool_calls: Option<serde_json::Value>,
+    tool_calls: Option<Box<serde_json::value::RawValue>>,
     tool_call_id: Option<String>,
+    reasoning_content: Option<String>,
+}
+
+impl RawMessage {
+    fn into_message(self) -> ChatMessage {
+        let content = match self.content {
+            RawContent::None => None,
+            RawContent::Text(t) => Some(t),
+            RawContent::Parts(parts) => Some(
+                parts
+                    .iter()
+                    .filter(|p| p.get("type").and_then(|t| t.as_str()) == Some("text"))
+                    .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            ),
+        };
+        ChatMessage {
+            role: self.role,
+            content,
+            name: self.name,
+            tool_calls: self.tool_calls.map(|t| RawJson(t.get().into())),
+            tool_call_id: self.tool_call_id,
+            reasoning_content: self.reasoning_content,
+        }
+    }
 }
 
 fn parse_body(body: &[u8]) -> Result<RawBody, RequestError> {
@@ -534,7 +664,7 @@ impl<'de> Deserialize<'de> for RawContent {
     }
 }
 
-fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::Value>) -> Vec<u8> {
+fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value::RawValue>) -> Vec<u8> {
     let mut out = Vec::with_capacity(
         msgs.iter()
             .map(|ObjectOnly(m)| {
@@ -549,7 +679,7 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::Value
     );
     if let Some(t) = tools {
         out.extend_from_slice(b"\x01tools\x02");
-        out.extend_from_slice(t.to_string().as_bytes());
+        out.extend_from_slice(t.get().as_bytes());
         out.push(0x03);
     }
     for ObjectOnly(m) in msgs {
@@ -580,7 +710,7 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::Value
         }
         if let Some(tc) = &m.tool_calls {
             out.push(0x1f);
-            out.extend_from_slice(tc.to_string().as_bytes());
+            out.extend_from_slice(tc.get().as_bytes());
         }
         if let Some(id) = &m.tool_call_id {
             out.push(0x1f);

@@ -90,6 +90,8 @@ pub struct RouterCounters {
     pub index_resets: u64,
     /// Requests dropped from in-flight tracking without `complete` (timeout or overflow).
     pub inflight_expired: u64,
+    /// Requests the tokenizer failed on (routed without precise keys).
+    pub tokenize_errors: u64,
 }
 
 /// A snapshot of the router's state.
@@ -197,6 +199,10 @@ fn nz(n: usize) -> NonZeroUsize {
 pub struct Router {
     policy: ArcSwap<ActivePolicy>,
     state: Mutex<State>,
+    /// Turns text and chat prompts into the engine's token ids for the precise index.
+    #[cfg(feature = "tokenizer")]
+    tokenizer: arc_swap::ArcSwapOption<crate::tokenize::Tokenizer>,
+    tokenize_errors: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Router {
@@ -232,7 +238,13 @@ impl Router {
             cands_buf: Vec::new(),
             counters: RouterCounters::default(),
         };
-        Router { policy: ArcSwap::from_pointee(active), state: Mutex::new(state) }
+        Router {
+            policy: ArcSwap::from_pointee(active),
+            state: Mutex::new(state),
+            #[cfg(feature = "tokenizer")]
+            tokenizer: arc_swap::ArcSwapOption::empty(),
+            tokenize_errors: std::sync::atomic::AtomicU64::new(0),
+        }
     }
 
     /// A router from a JSON policy document.
@@ -244,6 +256,15 @@ impl Router {
         // Nothing in the core panics while holding the lock; should a bug ever do so, the state
         // is still structurally valid, so keep serving rather than poison every later call.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Use `tokenizer` to compute precise keys for text and chat requests (native only; without
+    /// one, only token-id prompts get precise keys). Tokenization happens outside the state lock;
+    /// a request that fails to tokenize is routed without precise keys and counted in
+    /// `RouterCounters::tokenize_errors`.
+    #[cfg(feature = "tokenizer")]
+    pub fn set_tokenizer(&self, tokenizer: Option<Arc<crate::tokenize::Tokenizer>>) {
+        self.tokenizer.store(tokenizer);
     }
 
     /// The active policy.
@@ -389,7 +410,10 @@ impl Router {
             inflight_requests: st.inflight.len(),
             index: st.index.stats(),
             precise: st.kv.stats(),
-            counters: st.counters.clone(),
+            counters: RouterCounters {
+                tokenize_errors: self.tokenize_errors.load(std::sync::atomic::Ordering::Relaxed),
+                ..st.counters.clone()
+            },
         }
     }
 
@@ -484,10 +508,36 @@ impl Router {
             active.hashing.request_keys(req, &mut bufs.approx);
             bufs.has_precise =
                 active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
+            bufs.exact_input_tokens = None;
+            #[cfg(feature = "tokenizer")]
+            if active.reads_precise() && !bufs.has_precise {
+                self.tokenize_into(active, req, &mut bufs);
+            }
             let out = self.decide(active, req, &bufs, now_ms);
             cell.replace(bufs);
             out
         })
+    }
+
+    #[cfg(feature = "tokenizer")]
+    fn tokenize_into(&self, active: &ActivePolicy, req: &RouteRequest, bufs: &mut KeyBufs) {
+        let Some(tok) = self.tokenizer.load_full() else { return };
+        match tok.request_token_ids(req) {
+            Ok(seqs) => {
+                let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+                bufs.has_precise = active.precise_keys.keys_for_tokens(
+                    req.lora_adapter.as_deref(),
+                    req.cache_salt.as_deref(),
+                    &refs,
+                    &mut bufs.precise,
+                    &mut bufs.scratch,
+                );
+                bufs.exact_input_tokens = Some(seqs.iter().map(|s| s.len() as u64).sum());
+            }
+            Err(_) => {
+                self.tokenize_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
     }
 
     fn decide(
@@ -499,7 +549,7 @@ impl Router {
     ) -> Result<Decision, RouteError> {
         let cfg = active.policy.config();
         let keys = &bufs.approx;
-        let input_tokens = req.input_tokens(cfg.index.bytes_per_token);
+        let input_tokens = bufs.exact_input_tokens.unwrap_or_else(|| req.input_tokens(cfg.index.bytes_per_token));
         let session_key = req.session_id.as_deref().map(|s| xxh3_64(s.as_bytes()));
         let mode = cfg.index.mode;
 
@@ -741,6 +791,8 @@ struct KeyBufs {
     approx: RequestKeys,
     precise: RequestKeys,
     has_precise: bool,
+    /// Input tokens when the tokenizer counted them.
+    exact_input_tokens: Option<u64>,
     scratch: Vec<u8>,
 }
 

