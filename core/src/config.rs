@@ -770,8 +770,8 @@ fn validate(c: &PolicyConfig) -> Result<(), ConfigError> {
             "too large",
         ));
     }
-    if i.speculative_ttl_ms == 0 {
-        return Err(ConfigError::invalid("index.speculative_ttl_ms", 0, "must be > 0"));
+    if !(1..=60_000).contains(&i.speculative_ttl_ms) {
+        return Err(ConfigError::invalid("index.speculative_ttl_ms", i.speculative_ttl_ms, "must be within 1..=60000"));
     }
     let p = &i.precise;
     if !(1..=4096).contains(&p.engine_block_tokens) {

@@ -63,6 +63,23 @@ impl RequestKeys {
 
 /// Chain step: a folded 64×64→128-bit multiply of the parent key and the block hash, each
 /// offset by a constant (the combining step of wyhash/rapidhash).
+/// Token ids as little-endian bytes: a zero-copy view on little-endian targets, a copy into
+/// `scratch` elsewhere (keys are the same on every platform).
+#[inline]
+pub(crate) fn token_bytes<'a>(ids: &'a [u32], scratch: &'a mut Vec<u8>) -> &'a [u8] {
+    #[cfg(target_endian = "little")]
+    {
+        let _ = scratch;
+        bytemuck::cast_slice(ids)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        scratch.clear();
+        scratch.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
+        scratch
+    }
+}
+
 #[inline]
 fn mix(parent: u64, block_hash: u64) -> u64 {
     let m = u128::from(parent ^ 0xa076_1d64_78bd_642f) * u128::from(block_hash ^ 0xe703_7ed1_a0b4_28db);
@@ -119,9 +136,7 @@ impl ApproxHashing {
                     let seed = *token_seed.get_or_insert_with(|| self.seed(&req.model, salt, true));
                     self.chain_tokens(seed, ids, &mut out.keys, &mut scratch);
                     let full = ids.len() - ids.len() % self.block_tokens as usize;
-                    scratch.clear();
-                    scratch.extend(ids[full..].iter().flat_map(|t| t.to_le_bytes()));
-                    (seed, xxh3_64(&scratch))
+                    (seed, xxh3_64(token_bytes(&ids[full..], &mut scratch)))
                 }
             };
             let last = out.keys[start..].last().copied().unwrap_or(seed);
@@ -147,9 +162,7 @@ impl ApproxHashing {
         let mut parent = seed;
         out.reserve(ids.len() / bt);
         for block in ids.chunks_exact(bt) {
-            scratch.clear();
-            scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
-            parent = mix(parent, rapidhash_v3(scratch));
+            parent = mix(parent, rapidhash_v3(token_bytes(block, scratch)));
             out.push(parent);
         }
     }
@@ -195,9 +208,7 @@ impl DualKeyHashing {
     pub fn chain(&self, parent: u64, ids: &[u32], out: &mut Vec<BlockKey>, scratch: &mut Vec<u8>) -> u64 {
         let mut p = parent;
         for block in ids.chunks_exact(self.block_tokens as usize) {
-            scratch.clear();
-            scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
-            p = xxh3_64_with_seed(scratch, p);
+            p = xxh3_64_with_seed(token_bytes(block, scratch), p);
             out.push(p);
         }
         p

@@ -156,6 +156,12 @@ fn engine_keys(
     true
 }
 
+/// The expiry tick of a speculation (16 ms resolution, 15 bits: wraps after about 8.7 minutes,
+/// far beyond any speculative TTL).
+fn spec_tick(expires_ms: u64) -> u32 {
+    ((expires_ms / 16) & 0x7fff) as u32
+}
+
 /// Keys are already hashes: mix them once and use the result.
 #[derive(Default)]
 struct KeyHasher(u64);
@@ -337,9 +343,6 @@ pub struct KvIndex {
     engine_block_tokens: u32,
     map: EngineKeyMap,
     speculation: VecDeque<Speculation>,
-    /// Latest expiry of each speculative (key, slot) membership: an older speculation expiring
-    /// must not withdraw what a newer one (of this or another request sharing the prefix) covers.
-    spec_expiry: HashMap<(u64, u16), u64, BuildHasherDefault<KeyHasher>>,
     streams: Vec<Stream>,
     stats: PreciseStats,
     scratch_keys: Vec<BlockKey>,
@@ -363,7 +366,6 @@ impl KvIndex {
             engine_block_tokens: p.engine_block_tokens,
             map: EngineKeyMap::new(p.key_map_capacity),
             speculation: VecDeque::new(),
-            spec_expiry: HashMap::default(),
             streams: Vec::new(),
             stats: PreciseStats::default(),
             scratch_keys: Vec::new(),
@@ -385,7 +387,6 @@ impl KvIndex {
         self.engine_block_tokens = p.engine_block_tokens;
         self.map = EngineKeyMap::new(p.key_map_capacity);
         self.speculation.clear();
-        self.spec_expiry.clear();
         for s in &mut self.streams {
             *s = Stream::default();
         }
@@ -554,19 +555,13 @@ impl KvIndex {
     }
 
     /// Insert speculative entries for a routed request on `slot` (withdrawn at `expires_ms`
-    /// unless confirmed before).
+    /// unless confirmed before, or kept longer by a later speculation on the same blocks: each
+    /// speculative membership carries the expiry tick of its latest speculation).
     pub(crate) fn speculate(&mut self, keys: &RequestKeys, slot: usize, incarnation: u32, expires_ms: u64) {
         if keys.keys.is_empty() {
             return;
         }
-        for seq in keys.sequences() {
-            self.blocks.speculate(seq, slot);
-        }
-        let s16 = slot as u16;
-        for &k in &keys.keys {
-            let e = self.spec_expiry.entry((k, s16)).or_insert(0);
-            *e = (*e).max(expires_ms);
-        }
+        self.blocks.speculate(&keys.keys, slot, spec_tick(expires_ms));
         self.speculation.push_back(Speculation { expires_ms, slot, incarnation, keys: keys.keys.as_slice().into() });
     }
 
@@ -575,21 +570,8 @@ impl KvIndex {
     pub(crate) fn expire(&mut self, now_ms: u64, live: impl Fn(usize, u32) -> bool) {
         while self.speculation.front().is_some_and(|s| s.expires_ms <= now_ms) {
             let Some(s) = self.speculation.pop_front() else { break };
-            let still_here = live(s.slot, s.incarnation);
-            let s16 = s.slot as u16;
-            self.scratch_keys.clear();
-            for &k in s.keys.iter() {
-                match self.spec_expiry.get(&(k, s16)) {
-                    Some(&e) if e <= now_ms => {
-                        self.spec_expiry.remove(&(k, s16));
-                        self.scratch_keys.push(k);
-                    }
-                    // A newer speculation covers it, or it was already withdrawn.
-                    _ => {}
-                }
-            }
-            if still_here {
-                self.blocks.unspeculate(&self.scratch_keys, s.slot);
+            if live(s.slot, s.incarnation) {
+                self.blocks.unspeculate(&s.keys, s.slot, spec_tick(s.expires_ms));
             }
         }
     }
@@ -617,7 +599,7 @@ impl KvIndex {
             mapped_engine_blocks: self.map.len() as u64,
             map_memory_bytes: self.map.memory_bytes() as u64,
             speculative_requests: self.speculation.len() as u64,
-            speculative_blocks: self.spec_expiry.len() as u64,
+            speculative_blocks: self.blocks.speculative_memberships(),
             ..self.stats
         }
     }
@@ -818,7 +800,7 @@ mod tests {
         assert_eq!(matched(&ix, &long), vec![4, 0], "the shared prefix is still covered by the newer request");
         ix.expire(3_500, |_, _| true);
         assert_eq!(matched(&ix, &long), vec![0, 0]);
-        assert!(ix.spec_expiry.is_empty());
+        assert_eq!(ix.stats().speculative_blocks, 0);
     }
 
     #[test]

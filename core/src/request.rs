@@ -460,6 +460,14 @@ impl RawMessage {
 }
 
 fn parse_body(body: &[u8]) -> Result<RawBody, RequestError> {
+    // Fast path: plain serde_json. Only a body that fails is parsed again with path tracking,
+    // so errors still name the field and valid bodies do not pay for it.
+    let mut de = serde_json::Deserializer::from_slice(body);
+    if let Ok(ObjectOnly(raw)) = ObjectOnly::<RawBody>::deserialize(&mut de) {
+        if de.end().is_ok() {
+            return Ok(raw);
+        }
+    }
     let mut de = serde_json::Deserializer::from_slice(body);
     let raw: RawBody = match serde_path_to_error::deserialize(&mut de) {
         Ok(ObjectOnly(raw)) => raw,
@@ -512,6 +520,28 @@ impl<'de> Deserialize<'de> for RawPrompt {
                 let mut texts: Vec<Prompt> = Vec::new();
                 let mut tokens: Vec<u32> = Vec::new();
                 let mut kind: Option<u8> = None; // 0 = strings, 1 = ids, 2 = id lists
+                                                 // A token-id list (the common large case) is read id by id without the
+                                                 // element enum once its first element shows what it is.
+                if let Some(first) = seq.next_element::<PromptElem>()? {
+                    match first {
+                        PromptElem::Id(t) => {
+                            tokens.reserve(seq.size_hint().unwrap_or(0).min(1 << 20));
+                            tokens.push(t);
+                            while let Some(IdInList(t)) = seq.next_element::<IdInList>()? {
+                                tokens.push(t);
+                            }
+                            return Ok(RawPrompt(vec![Prompt::Tokens(tokens)]));
+                        }
+                        PromptElem::Text(s) => {
+                            kind = Some(0);
+                            texts.push(Prompt::Text(s.into_bytes()));
+                        }
+                        PromptElem::Ids(ids) => {
+                            kind = Some(2);
+                            texts.push(Prompt::Tokens(ids));
+                        }
+                    }
+                }
                 while let Some(el) = seq.next_element::<PromptElem>()? {
                     let k = match &el {
                         PromptElem::Text(_) => 0,
@@ -519,9 +549,7 @@ impl<'de> Deserialize<'de> for RawPrompt {
                         PromptElem::Ids(_) => 2,
                     };
                     if *kind.get_or_insert(k) != k {
-                        return Err(de::Error::custom(
-                            "mixed element types: use all strings, all token ids, or all token-id lists",
-                        ));
+                        return Err(de::Error::custom(MIXED));
                     }
                     match el {
                         PromptElem::Text(s) => texts.push(Prompt::Text(s.into_bytes())),
@@ -581,6 +609,39 @@ impl<'de> Deserialize<'de> for PromptElem {
         d.deserialize_any(V)
     }
 }
+
+/// A token id inside a list of token ids: anything else is the "mixed element types" error.
+struct IdInList(u32);
+
+impl<'de> Deserialize<'de> for IdInList {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'v> Visitor<'v> for V {
+            type Value = IdInList;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a token id (integer 0..=4294967295)")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<IdInList, E> {
+                token_id(v).map(IdInList)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<IdInList, E> {
+                Err(E::custom(format!("token id {v} is negative")))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<IdInList, E> {
+                Err(E::custom(MIXED))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<IdInList, E> {
+                Err(E::custom(format!("token id {v} is not an integer")))
+            }
+            fn visit_seq<A: SeqAccess<'v>>(self, _: A) -> Result<IdInList, A::Error> {
+                Err(de::Error::custom(MIXED))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+const MIXED: &str = "mixed element types: use all strings, all token ids, or all token-id lists";
 
 struct TokenId(u32);
 

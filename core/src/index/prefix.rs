@@ -25,10 +25,10 @@
 //! its tail blocks and eviction trims prefixes from the end, as engines do.
 //!
 //! Dead records are reclaimed by an incremental sweeper that walks the table a bounded number of
-//! buckets: four per new membership (so dead records stay a bounded fraction of the table) plus
-//! `buckets / 2048 + 1` per generation advance, so a whole pass completes within 2048 advances of
-//! any endpoints — inside the 2^15-generation stamp window (16x margin), which makes stamp
-//! wrap-around impossible to observe.
+//! buckets: four per new membership while dead records await reclaiming (so they stay a bounded
+//! fraction of the table), plus `buckets / 16384 + 1` per generation advance, so a whole pass
+//! completes within 16,384 advances of all endpoints together — inside the 2^15-generation stamp
+//! window of each endpoint (2x margin), which makes stamp wrap-around impossible to observe.
 //!
 //! # Memory
 //! A key with one holder costs one bucket (8 bytes approximate, 12 exact; load ≤ 7/8); each
@@ -52,7 +52,9 @@ const TIERS: u32 = GPU | CPU | STORAGE;
 const SLOT_SHIFT: u32 = 19;
 /// Largest slot number a record can carry.
 pub const MAX_SLOTS: usize = 1 << 12;
-const SWEEP_DIVISOR: usize = 2048;
+const SWEEP_DIVISOR: usize = 16_384;
+/// How many keys ahead a walk prefetches table buckets.
+const PREFETCH: usize = 6;
 const SWEEP_PER_BIRTH: usize = 4;
 
 #[derive(Clone, Debug)]
@@ -63,6 +65,8 @@ struct SlotState {
     gen: u32,
     counts: [u32; GENERATIONS as usize],
     live: u32,
+    /// Speculative-only memberships (not counted in `live`).
+    spec: u32,
     cap: u32,
     per_gen: u32,
 }
@@ -75,6 +79,7 @@ impl SlotState {
             gen: 0,
             counts: [0; GENERATIONS as usize],
             live: 0,
+            spec: 0,
             cap,
             per_gen: (cap / GENERATIONS).max(1),
         }
@@ -186,6 +191,8 @@ pub struct PrefixIndex<B: BucketKind> {
     cap: u32,
     cursor: usize,
     sweep_debt: usize,
+    /// Dead records (killed generations, retired slots) not yet reclaimed by the sweeper.
+    dead_pending: u64,
     passes: u64,
 }
 
@@ -208,9 +215,26 @@ fn owner(rec: u32) -> u32 {
 #[inline]
 fn is_live(slots: &[SlotState], rec: u32) -> bool {
     match slots.get(rec_slot(rec)) {
+        // A speculative-only record carries its expiry tick, not a generation: it lives until
+        // the speculation queue withdraws it (or its endpoint goes).
+        Some(s) if rec & TIERS == 0 => s.active,
         Some(s) => s.active && (s.gen.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS,
         None => false,
     }
+}
+
+/// A live record counted in its endpoint's generations (held in some tier).
+#[inline]
+fn counted(slots: &[SlotState], rec: u32) -> bool {
+    rec & TIERS != 0 && is_live(slots, rec)
+}
+
+/// Whether expiry tick `a` is later than `b` (ticks wrap at 2^15; speculation lives far less
+/// than half the range).
+#[inline]
+fn tick_after(a: u32, b: u32) -> bool {
+    let d = a.wrapping_sub(b) & STAMP_MASK;
+    d != 0 && d < (1 << (STAMP_BITS - 1))
 }
 
 impl<B: BucketKind> PrefixIndex<B> {
@@ -223,6 +247,7 @@ impl<B: BucketKind> PrefixIndex<B> {
             cap: cap.max(1),
             cursor: 0,
             sweep_debt: 0,
+            dead_pending: 0,
             passes: 0,
         }
     }
@@ -239,6 +264,7 @@ impl<B: BucketKind> PrefixIndex<B> {
         self.fingerprint = fingerprint;
         self.cursor = 0;
         self.sweep_debt = 0;
+        self.dead_pending = 0;
         // Every stale record is gone: retired slots become reusable at once.
         self.passes += 2;
         for s in &mut self.slots {
@@ -295,8 +321,10 @@ impl<B: BucketKind> PrefixIndex<B> {
     pub fn retire(&mut self, slot: usize) {
         let passes = self.passes;
         if let Some(s) = self.slots.get_mut(slot) {
+            self.dead_pending += u64::from(s.live) + u64::from(s.spec);
             s.active = false;
             s.live = 0;
+            s.spec = 0;
             s.counts = [0; GENERATIONS as usize];
             s.retired_at = Some(passes);
             // Reclaim at the same pace as a full turnover of the slot's generations.
@@ -310,6 +338,7 @@ impl<B: BucketKind> PrefixIndex<B> {
         self.table.compact(|r| is_live(slots, r));
         self.cursor = 0;
         self.sweep_debt = 0;
+        self.dead_pending = 0;
         self.passes += 2;
     }
 
@@ -318,6 +347,7 @@ impl<B: BucketKind> PrefixIndex<B> {
         s.gen = s.gen.wrapping_add(1);
         let idx = (s.gen % GENERATIONS) as usize;
         s.live -= s.counts[idx];
+        self.dead_pending += u64::from(s.counts[idx]);
         s.counts[idx] = 0;
         self.sweep_debt += self.table.capacity() / SWEEP_DIVISOR + 1;
     }
@@ -331,69 +361,87 @@ impl<B: BucketKind> PrefixIndex<B> {
                 self.table.maybe_shrink();
             }
             let slots = &self.slots;
-            if !self.table.retain_at(self.cursor, |r| is_live(slots, r)) {
+            let mut removed = 0u64;
+            let deleted = self.table.retain_at(self.cursor, |r| {
+                let keep = is_live(slots, r);
+                removed += u64::from(!keep);
+                keep
+            });
+            self.dead_pending = self.dead_pending.saturating_sub(removed);
+            if !deleted {
                 self.cursor += 1;
             }
             budget -= 1;
         }
     }
 
-    /// Record that `slot` now holds every block in `keys` (approximate: assumed on GPU), touched
-    /// tail-first.
+    /// Record that `slot` now holds every block in `keys` (approximate: assumed on GPU).
     pub fn observe(&mut self, keys: &[BlockKey], slot: usize) {
-        self.touch_all(keys, slot, GPU, 0);
+        self.touch_all(keys, slot, GPU);
     }
 
-    /// Record that the engine stored `keys` on `slot` in `medium` (confirmed: clears any
-    /// speculative flag).
+    /// Record that the engine stored `keys` on `slot` in `medium` (this confirms any
+    /// speculation on them).
     pub fn store(&mut self, keys: &[BlockKey], slot: usize, medium: Medium) {
-        self.touch_all(keys, slot, tier_bit(medium), SPEC);
+        self.touch_all(keys, slot, tier_bit(medium));
     }
 
-    /// Record that `slot` is expected to hold `keys` soon (a request was routed there). Blocks
-    /// already confirmed in a tier keep their tiers (and only get fresher).
-    pub fn speculate(&mut self, keys: &[BlockKey], slot: usize) {
-        self.touch_all(keys, slot, SPEC, 0);
-    }
-
-    fn touch_all(&mut self, keys: &[BlockKey], slot: usize, add: u32, clear: u32) {
+    /// The blocks of one call get the same generation stamp (so a chain stored together has
+    /// identical records block after block, which matching exploits) unless the call alone fills
+    /// a generation: then it is cut into generation-sized pieces, tail first, so a long
+    /// request's head is never older than its tail. Remaining advances happen after the call.
+    fn touch_all(&mut self, keys: &[BlockKey], slot: usize, tier: u32) {
         if !self.slots.get(slot).is_some_and(|s| s.active) {
             return;
         }
-        for &key in keys.iter().rev() {
-            self.touch(key, slot, add, clear);
+        let mut stamp = self.slots[slot].gen & STAMP_MASK;
+        let mut in_piece = 0u32;
+        for (i, &key) in keys.iter().enumerate().rev() {
+            if i >= PREFETCH {
+                self.table.prefetch(keys[i - PREFETCH]);
+            }
+            self.touch(key, slot, tier, stamp);
+            in_piece += 1;
+            if in_piece >= self.slots[slot].per_gen {
+                self.advance(slot);
+                stamp = self.slots[slot].gen & STAMP_MASK;
+                in_piece = 0;
+            }
+        }
+        let mut guard = 0;
+        while guard < GENERATIONS {
+            let s = &self.slots[slot];
+            if s.counts[(s.gen % GENERATIONS) as usize] < s.per_gen && s.live <= s.cap {
+                break;
+            }
+            self.advance(slot);
+            guard += 1;
         }
         self.run_sweeper();
     }
 
-    fn touch(&mut self, key: BlockKey, slot: usize, add: u32, clear: u32) {
-        let stamp = self.slots[slot].gen & STAMP_MASK;
+    fn touch(&mut self, key: BlockKey, slot: usize, tier: u32, stamp: u32) {
         let base = ((slot as u32) << SLOT_SHIFT) | stamp;
         let slots = &self.slots;
-        // Keep the tiers of a live record; a dead one starts afresh.
-        let mut prev_live = None;
-        let old = self.table.upsert_with(key, slot as u32, owner, |old| {
-            let flags = match old {
-                Some(o) if is_live(slots, o) => {
-                    prev_live = Some(o);
-                    o & (TIERS | SPEC)
-                }
-                _ => 0,
-            };
-            let mut flags = (flags | add) & !clear;
-            if add == SPEC && flags & TIERS != 0 {
-                // Confirmed blocks need no speculation.
-                flags &= !SPEC;
+        let mut prev_counted = None;
+        let mut was_spec = false;
+        self.table.upsert_with(key, slot as u32, owner, |old| match old {
+            Some(o) if counted(slots, o) => {
+                prev_counted = Some(o);
+                base | (o & TIERS) | tier
             }
-            if flags == 0 {
-                flags = add;
+            Some(o) => {
+                was_spec = o & SPEC != 0 && is_live(slots, o);
+                base | tier
             }
-            base | flags
+            None => base | tier,
         });
-        let _ = old;
         let s = &mut self.slots[slot];
-        let cur = (s.gen % GENERATIONS) as usize;
-        match prev_live {
+        if was_spec {
+            s.spec = s.spec.saturating_sub(1);
+        }
+        let cur = (stamp % GENERATIONS) as usize;
+        match prev_counted {
             Some(o) => {
                 let prev = ((o & STAMP_MASK) % GENERATIONS) as usize;
                 if prev != cur {
@@ -404,49 +452,103 @@ impl<B: BucketKind> PrefixIndex<B> {
             None => {
                 s.counts[cur] += 1;
                 s.live += 1;
-                // Every new membership eventually dies: sweep four buckets per birth so a full
-                // pass completes within capacity/4 births and dead records stay a bounded
-                // fraction of the table.
-                self.sweep_debt += SWEEP_PER_BIRTH;
+                // While dead records await reclaiming, sweep four buckets per birth: a full pass
+                // then completes within capacity/4 births, so dead records stay a bounded
+                // fraction of the table. (A table with nothing dead is not swept for births.)
+                if self.dead_pending > 0 {
+                    self.sweep_debt += SWEEP_PER_BIRTH;
+                }
             }
         }
-        if s.counts[cur] >= s.per_gen {
-            self.advance(slot);
-        }
     }
 
-    /// Record that the engine removed `keys` from `medium` on `slot`: the tier is dropped, and a
-    /// membership left with no tier (and no speculation) is deleted.
-    pub fn remove(&mut self, keys: &[BlockKey], slot: usize, medium: Medium) {
-        self.drop_flags(keys, slot, tier_bit(medium));
-    }
-
-    /// Withdraw speculation on `keys` for `slot` (its TTL expired): speculative-only memberships
-    /// are deleted; confirmed ones are untouched.
-    pub fn unspeculate(&mut self, keys: &[BlockKey], slot: usize) {
-        self.drop_flags(keys, slot, SPEC);
-    }
-
-    fn drop_flags(&mut self, keys: &[BlockKey], slot: usize, bits: u32) {
+    /// Record that `slot` is expected to hold `keys` until expiry tick `tick` (a request was
+    /// routed there). Blocks already held in a tier are left as they are; speculative ones keep
+    /// the later of their ticks. Speculative memberships are not counted against the capacity;
+    /// [`PrefixIndex::unspeculate`] withdraws them.
+    pub fn speculate(&mut self, keys: &[BlockKey], slot: usize, tick: u32) {
         if !self.slots.get(slot).is_some_and(|s| s.active) {
             return;
         }
+        let tick = tick & STAMP_MASK;
+        let spec = ((slot as u32) << SLOT_SHIFT) | SPEC | tick;
         for &key in keys {
             let slots = &self.slots;
-            let mut deleted_live = None;
+            let mut born = false;
+            self.table.upsert_with(key, slot as u32, owner, |old| match old {
+                Some(o) if counted(slots, o) => o,
+                Some(o) if o & SPEC != 0 && is_live(slots, o) => {
+                    if tick_after(tick, o & STAMP_MASK) {
+                        spec
+                    } else {
+                        o
+                    }
+                }
+                _ => {
+                    born = true;
+                    spec
+                }
+            });
+            if born {
+                self.slots[slot].spec += 1;
+            }
+        }
+    }
+
+    /// Withdraw the speculation that expires at `tick` on `keys` for `slot`: speculative-only
+    /// memberships whose tick is not later than `tick` are deleted (a later speculation keeps
+    /// them); memberships held in a tier are untouched.
+    pub fn unspeculate(&mut self, keys: &[BlockKey], slot: usize, tick: u32) {
+        let tick = tick & STAMP_MASK;
+        for &key in keys {
+            let mut deleted = false;
             self.table.modify(key, slot as u32, owner, |r| {
+                if r & TIERS == 0 && r & SPEC != 0 && !tick_after(r & STAMP_MASK, tick) {
+                    deleted = true;
+                    None
+                } else {
+                    Some(r)
+                }
+            });
+            if deleted {
+                if let Some(s) = self.slots.get_mut(slot) {
+                    s.spec = s.spec.saturating_sub(1);
+                }
+            }
+        }
+    }
+
+    /// Speculative (block, endpoint) memberships pending.
+    pub fn speculative_memberships(&self) -> u64 {
+        self.slots.iter().filter(|s| s.active).map(|s| u64::from(s.spec)).sum()
+    }
+
+    /// Record that the engine removed `keys` from `medium` on `slot`: the tier is dropped, and a
+    /// membership left in no tier is deleted.
+    pub fn remove(&mut self, keys: &[BlockKey], slot: usize, medium: Medium) {
+        if !self.slots.get(slot).is_some_and(|s| s.active) {
+            return;
+        }
+        let bit = tier_bit(medium);
+        for &key in keys {
+            let slots = &self.slots;
+            let mut deleted_counted = None;
+            self.table.modify(key, slot as u32, owner, |r| {
+                if r & TIERS == 0 {
+                    return Some(r); // speculative only: not the engine's to remove
+                }
                 let live = is_live(slots, r);
-                let rest = r & (TIERS | SPEC) & !bits;
+                let rest = r & TIERS & !bit;
                 if !live || rest == 0 {
                     if live {
-                        deleted_live = Some(r);
+                        deleted_counted = Some(r);
                     }
                     None
                 } else {
-                    Some((r & !(TIERS | SPEC)) | rest)
+                    Some((r & !TIERS) | rest)
                 }
             });
-            if let Some(r) = deleted_live {
+            if let Some(r) = deleted_counted {
                 let s = &mut self.slots[slot];
                 s.counts[((r & STAMP_MASK) % GENERATIONS) as usize] -= 1;
                 s.live -= 1;
@@ -508,9 +610,12 @@ impl<B: BucketKind> PrefixIndex<B> {
             }
         }
         let mut k = 1u32;
-        for &key in rest {
+        for (j, &key) in rest.iter().enumerate() {
             if scratch.alive.is_empty() {
                 break;
+            }
+            if let Some(&ahead) = rest.get(j + PREFETCH) {
+                self.table.prefetch(ahead);
             }
             let cur = self.table.records(key);
             let recs = cur.as_slice();
@@ -782,17 +887,31 @@ mod tests {
     fn speculation_is_superseded_by_confirmation_and_withdrawn_otherwise() {
         let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
         ix.activate(0);
-        ix.speculate(&[1, 2, 3], 0);
+        ix.speculate(&[1, 2, 3], 0, 10);
         assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![3]);
+        assert_eq!(ix.speculative_memberships(), 3);
         assert_eq!(ix.holding(1, 0).map(|h| (h.gpu, h.speculative)), Some((false, true)));
         ix.store(&[1, 2], 0, Medium::Gpu);
         assert_eq!(ix.holding(1, 0).map(|h| (h.gpu, h.speculative)), Some((true, false)));
-        ix.unspeculate(&[1, 2, 3], 0);
+        ix.unspeculate(&[1, 2, 3], 0, 10);
         assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![2], "confirmed blocks stay, speculation goes");
+        assert_eq!(ix.speculative_memberships(), 0);
         assert_eq!(ix.memberships_of(0), 2);
         // Speculating on a confirmed block does not make it speculative.
-        ix.speculate(&[1], 0);
+        ix.speculate(&[1], 0, 20);
         assert_eq!(ix.holding(1, 0).map(|h| h.speculative), Some(false));
+        // A later speculation keeps a block that an earlier one's expiry would withdraw.
+        ix.speculate(&[7], 0, 30);
+        ix.speculate(&[7], 0, 40);
+        ix.unspeculate(&[7], 0, 30);
+        assert!(ix.contains(7, 0));
+        ix.unspeculate(&[7], 0, 40);
+        assert!(!ix.contains(7, 0));
+        // Ticks wrap.
+        ix.speculate(&[8], 0, (1 << 15) - 1);
+        ix.speculate(&[8], 0, 5);
+        ix.unspeculate(&[8], 0, (1 << 15) - 1);
+        assert!(ix.contains(8, 0), "tick 5 is after the wrap");
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //!   key fingerprint + head) for the approximate index, and [`ExactBucket`] (12 bytes: the whole
 //!   64-bit key + head) for the event-fed precise index. A head of 0 marks an empty bucket (real
 //!   records are never 0). Linear probing from a home position derived from the tag,
-//!   power-of-two capacity, load ≤ 7/8, backward-shift deletion (no tombstones).
+//!   any capacity (the home is a multiply-high range reduction), growth by 1.25x at load 7/8
+//!   (so the load stays within 0.7–0.875 and memory follows the contents closely), backward-shift
+//!   deletion (no tombstones).
 //! - `head` with the top bit clear is the single record itself; with the top bit set, its low 31
 //!   bits index a chunk in `arena`: `[len | class << 16, rec_0, .., rec_{cap-1}]`,
 //!   `cap = 2 << class`. Freed chunks go on a per-class free list (next index in `rec_0`).
@@ -119,6 +121,21 @@ impl BucketKind for ExactBucket {
     }
 }
 
+/// A read-prefetch hint (no-op off x86_64).
+#[inline(always)]
+#[allow(unsafe_code)]
+fn prefetch_read(p: *const i8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is only a hint: it never faults whatever the address and has no
+    // effect the program can observe; SSE is part of the x86_64 baseline. (`wrapping_add` keeps
+    // the address computation itself free of undefined behaviour.)
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// The records of one key.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Records<'a> {
@@ -145,7 +162,8 @@ impl Records<'_> {
 /// Key → set of records. Records are opaque non-zero `u32`s below `1 << 31`.
 pub(crate) struct PostingTable<B: BucketKind> {
     buckets: Vec<B>,
-    shift: u32,
+    /// Bucket count (any value ≥ `MIN_BUCKETS`).
+    n: usize,
     len: usize,
     arena: Vec<u32>,
     free: [u32; CLASSES],
@@ -162,14 +180,8 @@ impl<B: BucketKind> PostingTable<B> {
     }
 
     fn with_buckets(n: usize) -> Self {
-        let n = n.next_power_of_two().max(MIN_BUCKETS);
-        PostingTable {
-            buckets: vec![B::default(); n],
-            shift: 64 - n.trailing_zeros(),
-            len: 0,
-            arena: Vec::new(),
-            free: [NONE; CLASSES],
-        }
+        let n = n.max(MIN_BUCKETS);
+        PostingTable { buckets: vec![B::default(); n], n, len: 0, arena: Vec::new(), free: [NONE; CLASSES] }
     }
 
     /// Number of keys.
@@ -189,18 +201,29 @@ impl<B: BucketKind> PostingTable<B> {
 
     #[inline]
     fn home(&self, tag: B::Tag) -> usize {
-        (B::home_hash(tag) >> self.shift) as usize
+        ((u128::from(B::home_hash(tag)) * self.n as u128) >> 64) as usize
     }
 
     #[inline]
-    fn mask(&self) -> usize {
-        self.buckets.len() - 1
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.n {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// Hint the CPU to load `key`'s home bucket (callers walking a key sequence prefetch a few
+    /// keys ahead so the cache misses of a large table overlap instead of queueing).
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        let i = self.home(B::tag(key));
+        prefetch_read(self.buckets.as_ptr().wrapping_add(i).cast());
     }
 
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
         let tag = B::tag(key);
-        let mask = self.mask();
         let mut i = self.home(tag);
         loop {
             let b = &self.buckets[i];
@@ -210,7 +233,7 @@ impl<B: BucketKind> PostingTable<B> {
             if b.stored_tag() == tag {
                 return Some(i);
             }
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
     }
 
@@ -304,22 +327,21 @@ impl<B: BucketKind> PostingTable<B> {
     }
 
     fn place(&mut self, b: B) {
-        let mask = self.mask();
         let mut i = self.home(b.stored_tag());
         while self.buckets[i].head() != 0 {
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
         self.buckets[i] = b;
     }
 
     fn grow(&mut self) {
-        let n = self.buckets.len() * 2;
+        let n = self.buckets.len() + self.buckets.len() / 4;
         self.rebuild(n);
     }
 
     fn rebuild(&mut self, n: usize) {
         let old = std::mem::replace(&mut self.buckets, vec![B::default(); n]);
-        self.shift = 64 - n.trailing_zeros();
+        self.n = n;
         for b in old.into_iter().filter(|b| b.head() != 0) {
             self.place(b);
         }
@@ -329,7 +351,7 @@ impl<B: BucketKind> PostingTable<B> {
     pub(crate) fn maybe_shrink(&mut self) {
         let n = self.buckets.len();
         if n > MIN_BUCKETS && self.len * 8 < n {
-            let target = (self.len * 4).next_power_of_two().max(MIN_BUCKETS);
+            let target = (self.len * 2).max(MIN_BUCKETS);
             self.rebuild(target);
             self.buckets.shrink_to_fit();
         }
@@ -454,21 +476,21 @@ impl<B: BucketKind> PostingTable<B> {
     }
 
     fn delete_at(&mut self, mut hole: usize) {
-        let mask = self.mask();
+        let n = self.n;
         self.buckets[hole] = B::default();
         self.len -= 1;
-        let mut j = (hole + 1) & mask;
+        let mut j = self.next(hole);
         while self.buckets[j].head() != 0 {
             let home = self.home(self.buckets[j].stored_tag());
             // Move j into the hole unless its home lies cyclically in (hole, j].
-            let dist_home = j.wrapping_sub(home) & mask;
-            let dist_hole = j.wrapping_sub(hole) & mask;
+            let dist_home = (j + n - home) % n;
+            let dist_hole = (j + n - hole) % n;
             if dist_home >= dist_hole {
                 self.buckets[hole] = self.buckets[j];
                 self.buckets[j] = B::default();
                 hole = j;
             }
-            j = (j + 1) & mask;
+            j = self.next(j);
         }
     }
 
