@@ -558,11 +558,22 @@ impl KvIndex {
     /// unless confirmed before, or kept longer by a later speculation on the same blocks: each
     /// speculative membership carries the expiry tick of its latest speculation).
     pub(crate) fn speculate(&mut self, keys: &RequestKeys, slot: usize, incarnation: u32, expires_ms: u64) {
-        if keys.keys.is_empty() {
-            return;
-        }
-        self.blocks.speculate(&keys.keys, slot, spec_tick(expires_ms));
-        self.speculation.push_back(Speculation { expires_ms, slot, incarnation, keys: keys.keys.as_slice().into() });
+        self.speculate_from(keys, 0, slot, incarnation, expires_ms);
+    }
+
+    /// [`KvIndex::speculate`] for the keys from position `skip` on (the leading ones are already
+    /// held in a tier).
+    pub(crate) fn speculate_from(
+        &mut self,
+        keys: &RequestKeys,
+        skip: usize,
+        slot: usize,
+        incarnation: u32,
+        expires_ms: u64,
+    ) {
+        let Some(keys) = keys.keys.get(skip..).filter(|k| !k.is_empty()) else { return };
+        self.blocks.speculate(keys, slot, spec_tick(expires_ms));
+        self.speculation.push_back(Speculation { expires_ms, slot, incarnation, keys: keys.into() });
     }
 
     /// Withdraw speculation whose time has come. `live(slot, incarnation)` tells whether the

@@ -505,9 +505,17 @@ impl Router {
         // Block hashing happens outside the lock, into per-thread buffers.
         KEYS.with(|cell| {
             let mut bufs = cell.take();
-            active.hashing.request_keys(req, &mut bufs.approx);
             bufs.has_precise =
                 active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
+            if active.reads_approx() || !bufs.has_precise {
+                active.hashing.request_keys(req, &mut bufs.approx);
+            } else {
+                // Precise mode with precise keys: the approximate keys would be unused; only the
+                // tie-break anchor is needed.
+                bufs.approx.keys.clear();
+                bufs.approx.seq_starts.clear();
+                bufs.approx.anchor = bufs.precise.anchor;
+            }
             bufs.exact_input_tokens = None;
             #[cfg(feature = "tokenizer")]
             if active.reads_precise() && !bufs.has_precise {
@@ -696,8 +704,12 @@ impl Router {
         }
         if precise_valid {
             let expires = now_ms.saturating_add(cfg.index.speculative_ttl_ms);
+            let single = bufs.precise.seq_starts.len() == 1;
             for r in std::iter::once(target).chain(prefill_ref) {
-                st.kv.speculate(&bufs.precise, r.slot as usize, r.incarnation, expires);
+                // Blocks the endpoint already holds in a tier need no speculation: only the
+                // rest of a single-sequence prompt is speculated.
+                let held = if single { st.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
+                st.kv.speculate_from(&bufs.precise, held as usize, r.slot as usize, r.incarnation, expires);
             }
         }
         let evicted =

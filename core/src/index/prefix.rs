@@ -89,10 +89,12 @@ impl SlotState {
 /// Reusable buffers for [`PrefixIndex::match_blocks`].
 #[derive(Debug, Default, Clone)]
 pub struct MatchScratch {
-    /// (slot, weight of its current run, block index where the run started)
-    alive: Vec<(u16, f64, u32)>,
+    /// (slot, weight of its current run, block index where the run started, first block held
+    /// only speculatively or `u32::MAX`)
+    alive: Vec<(u16, f64, u32, u32)>,
     seen: Vec<u32>,
     seen_weight: Vec<f64>,
+    seen_spec: Vec<bool>,
     epoch: u32,
 }
 
@@ -152,6 +154,8 @@ pub struct PrefixMatch {
     pub blocks: Vec<u32>,
     /// The same blocks weighted by tier.
     pub weighted: Vec<f64>,
+    /// Of those, the leading blocks confirmed in a tier (not only speculative).
+    pub confirmed: Vec<u32>,
 }
 
 impl PrefixMatch {
@@ -160,12 +164,15 @@ impl PrefixMatch {
         self.blocks.resize(n, 0);
         self.weighted.clear();
         self.weighted.resize(n, 0.0);
+        self.confirmed.clear();
+        self.confirmed.resize(n, 0);
     }
 
     /// Clear to "nothing matched".
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.weighted.clear();
+        self.confirmed.clear();
     }
 }
 
@@ -588,6 +595,7 @@ impl<B: BucketKind> PrefixIndex<B> {
         if scratch.seen.len() < self.slots.len() {
             scratch.seen.resize(self.slots.len(), 0);
             scratch.seen_weight.resize(self.slots.len(), 0.0);
+            scratch.seen_spec.resize(self.slots.len(), false);
         }
         for seq in keys.sequences() {
             self.match_sequence(seq, weights, out, scratch);
@@ -606,7 +614,8 @@ impl<B: BucketKind> PrefixIndex<B> {
         let mut prev = self.table.records(first);
         for &r in prev.as_slice() {
             if is_live(slots, r) {
-                scratch.alive.push((rec_slot(r) as u16, w.of(r), 0));
+                let spec_from = if r & TIERS == 0 { 0 } else { u32::MAX };
+                scratch.alive.push((rec_slot(r) as u16, w.of(r), 0, spec_from));
             }
         }
         let mut k = 1u32;
@@ -634,16 +643,19 @@ impl<B: BucketKind> PrefixIndex<B> {
             let epoch = scratch.epoch;
             for &r in recs {
                 if is_live(slots, r) {
-                    scratch.seen[rec_slot(r)] = epoch;
-                    scratch.seen_weight[rec_slot(r)] = w.of(r);
+                    let i = rec_slot(r);
+                    scratch.seen[i] = epoch;
+                    scratch.seen_weight[i] = w.of(r);
+                    scratch.seen_spec[i] = r & TIERS == 0;
                 }
             }
-            let (seen, seen_weight) = (&scratch.seen, &scratch.seen_weight);
-            scratch.alive.retain_mut(|(s, weight, start)| {
+            let (seen, seen_weight, seen_spec) = (&scratch.seen, &scratch.seen_weight, &scratch.seen_spec);
+            scratch.alive.retain_mut(|(s, weight, start, spec_from)| {
                 let i = *s as usize;
                 if seen[i] != epoch {
                     out.blocks[i] += k;
                     out.weighted[i] += *weight * f64::from(k - *start);
+                    out.confirmed[i] += (*spec_from).min(k);
                     return false;
                 }
                 if seen_weight[i] != *weight {
@@ -651,15 +663,19 @@ impl<B: BucketKind> PrefixIndex<B> {
                     *weight = seen_weight[i];
                     *start = k;
                 }
+                if seen_spec[i] && *spec_from == u32::MAX {
+                    *spec_from = k;
+                }
                 true
             });
             k += 1;
             prev = cur;
         }
-        for &(s, weight, start) in &scratch.alive {
+        for &(s, weight, start, spec_from) in &scratch.alive {
             let i = s as usize;
             out.blocks[i] += k;
             out.weighted[i] += weight * f64::from(k - start);
+            out.confirmed[i] += spec_from.min(k);
         }
     }
 
