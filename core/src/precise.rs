@@ -557,6 +557,7 @@ impl KvIndex {
     /// Insert speculative entries for a routed request on `slot` (withdrawn at `expires_ms`
     /// unless confirmed before, or kept longer by a later speculation on the same blocks: each
     /// speculative membership carries the expiry tick of its latest speculation).
+    #[cfg(test)]
     pub(crate) fn speculate(&mut self, keys: &RequestKeys, slot: usize, incarnation: u32, expires_ms: u64) {
         self.speculate_from(keys, 0, slot, incarnation, expires_ms);
     }

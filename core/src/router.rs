@@ -73,6 +73,73 @@ struct Inflight {
     target: SlotRef,
     prefill: Option<SlotRef>,
     started_ms: u64,
+    serial: u64,
+}
+
+/// Requests in flight: a map by request id plus the ids in arrival order (for expiry and the
+/// size bound). Completed requests leave a stale entry in the order queue, skipped when reached
+/// and compacted away when the queue grows to twice the map.
+#[derive(Debug)]
+struct InflightTable {
+    map: std::collections::HashMap<Arc<str>, Inflight, Xxh3DefaultBuilder>,
+    order: std::collections::VecDeque<(u64, Arc<str>)>,
+    next_serial: u64,
+}
+
+impl InflightTable {
+    fn new() -> Self {
+        InflightTable {
+            map: std::collections::HashMap::with_hasher(Xxh3DefaultBuilder),
+            order: std::collections::VecDeque::new(),
+            next_serial: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn contains(&self, id: &str) -> bool {
+        self.map.contains_key(id)
+    }
+
+    fn insert(&mut self, id: &str, target: SlotRef, prefill: Option<SlotRef>, started_ms: u64) {
+        self.next_serial += 1;
+        let serial = self.next_serial;
+        let key: Arc<str> = Arc::from(id);
+        self.order.push_back((serial, key.clone()));
+        self.map.insert(key, Inflight { target, prefill, started_ms, serial });
+        if self.order.len() > 2 * self.map.len() + 1024 {
+            let map = &self.map;
+            self.order.retain(|(serial, id)| map.get(id).is_some_and(|f| f.serial == *serial));
+        }
+    }
+
+    fn remove(&mut self, id: &str) -> Option<Inflight> {
+        self.map.remove(id)
+    }
+
+    /// Remove and return the oldest request for which `take(request)` holds (it stops at the
+    /// first live one for which it does not).
+    fn pop_oldest_if(&mut self, take: impl Fn(&Inflight) -> bool) -> Option<Inflight> {
+        while let Some((serial, id)) = self.order.front() {
+            match self.map.get(id) {
+                Some(f) if f.serial == *serial => {
+                    if !take(f) {
+                        return None;
+                    }
+                    let id = id.clone();
+                    self.order.pop_front();
+                    return self.map.remove(&id);
+                }
+                // Completed (or replaced) since: a stale queue entry.
+                _ => {
+                    self.order.pop_front();
+                }
+            }
+        }
+        None
+    }
 }
 
 /// Counters kept by the router (for metrics exposition by the bindings).
@@ -140,7 +207,7 @@ struct State {
     /// The latest `now` seen (routing or events), for reporting stream health.
     last_now_ms: u64,
     sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
-    inflight: LruCache<String, Inflight, Xxh3DefaultBuilder>,
+    inflight: InflightTable,
     next_request: u64,
     draws: u64,
     matched: PrefixMatch,
@@ -163,13 +230,21 @@ impl State {
     }
 
     fn expire_inflight(&mut self, now_ms: u64, timeout_ms: u64) {
-        while let Some((_, f)) = self.inflight.peek_lru() {
-            if now_ms.saturating_sub(f.started_ms) <= timeout_ms {
-                break;
-            }
-            if let Some((_, f)) = self.inflight.pop_lru() {
-                self.release(&f);
-                self.counters.inflight_expired += 1;
+        while let Some(f) = self.inflight.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
+            self.release(&f);
+            self.counters.inflight_expired += 1;
+        }
+    }
+
+    /// Keep at most `max` requests in flight, dropping the oldest.
+    fn bound_inflight(&mut self, max: usize) {
+        while self.inflight.len() > max {
+            match self.inflight.pop_oldest_if(|_| true) {
+                Some(f) => {
+                    self.release(&f);
+                    self.counters.inflight_expired += 1;
+                }
+                None => break,
             }
         }
     }
@@ -228,7 +303,7 @@ impl Router {
             kv: KvIndex::new(active.policy.config(), active.precise_fingerprint, active.precise_capacity),
             last_now_ms: 0,
             sessions: LruCache::with_hasher(nz(limits.session_capacity), Xxh3DefaultBuilder),
-            inflight: LruCache::with_hasher(nz(limits.max_inflight_requests), Xxh3DefaultBuilder),
+            inflight: InflightTable::new(),
             next_request: 0,
             draws: 0,
             matched: PrefixMatch::default(),
@@ -301,13 +376,7 @@ impl Router {
         }
         st.kv.set_capacity(new.precise_capacity, new.policy.config().index.precise.key_map_capacity);
         let limits = &new.policy.config().limits;
-        while st.inflight.len() > limits.max_inflight_requests {
-            if let Some((_, f)) = st.inflight.pop_lru() {
-                st.release(&f);
-                st.counters.inflight_expired += 1;
-            }
-        }
-        st.inflight.resize(nz(limits.max_inflight_requests));
+        st.bound_inflight(limits.max_inflight_requests);
         st.sessions.resize(nz(limits.session_capacity));
         st.counters.reloads += 1;
         let version = new.version;
@@ -420,7 +489,7 @@ impl Router {
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
         let mut st = self.lock();
-        match st.inflight.pop(request_id) {
+        match st.inflight.remove(request_id) {
             Some(f) => {
                 st.release(&f);
                 Ok(())
@@ -712,12 +781,8 @@ impl Router {
                 st.kv.speculate_from(&bufs.precise, held as usize, r.slot as usize, r.incarnation, expires);
             }
         }
-        let evicted =
-            st.inflight.push(request_id.clone(), Inflight { target, prefill: prefill_ref, started_ms: now_ms });
-        if let Some((_, old)) = evicted {
-            st.release(&old);
-            st.counters.inflight_expired += 1;
-        }
+        st.inflight.insert(&request_id, target, prefill_ref, now_ms);
+        st.bound_inflight(cfg.limits.max_inflight_requests);
         if let Some(k) = session_key {
             st.sessions.push(k, target);
         }

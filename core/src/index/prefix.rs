@@ -55,6 +55,8 @@ pub const MAX_SLOTS: usize = 1 << 12;
 const SWEEP_DIVISOR: usize = 16_384;
 /// How many keys ahead a walk prefetches table buckets.
 const PREFETCH: usize = 6;
+/// Tables smaller than this (in buckets) stay in cache: no prefetching.
+const PREFETCH_MIN_BUCKETS: usize = 1 << 18;
 const SWEEP_PER_BIRTH: usize = 4;
 
 #[derive(Clone, Debug)]
@@ -403,8 +405,9 @@ impl<B: BucketKind> PrefixIndex<B> {
         }
         let mut stamp = self.slots[slot].gen & STAMP_MASK;
         let mut in_piece = 0u32;
+        let prefetch = self.table.capacity() >= PREFETCH_MIN_BUCKETS;
         for (i, &key) in keys.iter().enumerate().rev() {
-            if i >= PREFETCH {
+            if prefetch && i >= PREFETCH {
                 self.table.prefetch(keys[i - PREFETCH]);
             }
             self.touch(key, slot, tier, stamp);
@@ -619,12 +622,15 @@ impl<B: BucketKind> PrefixIndex<B> {
             }
         }
         let mut k = 1u32;
+        let prefetch = self.table.capacity() >= PREFETCH_MIN_BUCKETS;
         for (j, &key) in rest.iter().enumerate() {
             if scratch.alive.is_empty() {
                 break;
             }
-            if let Some(&ahead) = rest.get(j + PREFETCH) {
-                self.table.prefetch(ahead);
+            if prefetch {
+                if let Some(&ahead) = rest.get(j + PREFETCH) {
+                    self.table.prefetch(ahead);
+                }
             }
             let cur = self.table.records(key);
             let recs = cur.as_slice();
