@@ -514,6 +514,15 @@ fn gap_is_replayed_vllm_023_format() {
 
 /// After a resync: the endpoint was cleared, is stale, and the held batch was accepted as a
 /// fresh start (its parent is unknown, so its blocks are orphans).
+/// Publishes batch 0, loses batch 1 (kept in the replay buffer, never sent live), publishes
+/// batch 2: the subscriber sees a gap at 1.
+fn publish_with_a_gap(publisher: &mut Publisher) {
+    let batches = chain(3, Encoding::Map);
+    publisher.publish(&batches[0]);
+    publisher.lose(&batches[1]);
+    publisher.publish(&batches[2]);
+}
+
 fn assert_resynced(r: &Router, clock: &Clock) {
     let precise = r.stats().precise;
     assert_eq!((precise.resyncs, precise.orphan_blocks), (1, u64::from(BLOCKS_PER_BATCH)));
@@ -560,10 +569,7 @@ fn no_replay_endpoint_resyncs() {
     let mut publisher = Publisher::bind(None);
     let (sub, seen) = start(&r, config(&publisher.endpoint()), &clock);
     publisher.wait_subscribed();
-    let batches = chain(3, Encoding::Map);
-    publisher.publish(&batches[0]);
-    publisher.lose(&batches[1]);
-    publisher.publish(&batches[2]);
+    publish_with_a_gap(&mut publisher);
     wait_for(&sub, "a resync", |s| s.resyncs == 1 && s.applied == 2);
     let stats = stop(sub);
     assert_eq!((stats.gaps, stats.replays, stats.replay_failures), (1, 0, 0));
@@ -584,10 +590,7 @@ fn silent_replay_times_out_then_resyncs() {
     cfg.replay_timeout_ms = 300;
     let (sub, seen) = start(&r, cfg, &clock);
     publisher.wait_subscribed();
-    let batches = chain(3, Encoding::Map);
-    publisher.publish(&batches[0]);
-    publisher.lose(&batches[1]);
-    publisher.publish(&batches[2]);
+    publish_with_a_gap(&mut publisher);
     wait_for(&sub, "a resync", |s| s.resyncs == 1 && s.applied == 2);
     let stats = stop(sub);
     assert_eq!((stats.replays, stats.replay_failures), (1, 1));
@@ -609,10 +612,7 @@ fn stop_is_prompt_even_while_waiting_for_a_replay() {
     cfg.poll_interval_ms = 100;
     let (sub, _) = start(&r, cfg, &clock);
     publisher.wait_subscribed();
-    let batches = chain(3, Encoding::Map);
-    publisher.publish(&batches[0]);
-    publisher.lose(&batches[1]);
-    publisher.publish(&batches[2]);
+    publish_with_a_gap(&mut publisher);
     let requests = publisher.replay.as_ref().unwrap().requests.clone();
     let deadline = Instant::now() + WAIT;
     while requests.load(Ordering::SeqCst) == 0 {
