@@ -73,6 +73,8 @@ pub struct MetricsSnapshot {
     pub lora_waiting: Vec<String>,
     /// Maximum adapters the endpoint can hold at once (`None`: unknown / no LoRA support).
     pub max_lora: Option<u32>,
+    /// KV-cache capacity in tokens (vLLM `cache_config_info`: block_size × num_gpu_blocks).
+    pub kv_capacity_tokens: Option<u64>,
     /// When the snapshot was taken, milliseconds on the router's clock.
     pub updated_ms: u64,
 }

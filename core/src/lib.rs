@@ -48,6 +48,7 @@ pub mod error;
 pub mod events;
 pub mod hashing;
 pub mod index;
+pub mod metrics;
 pub mod precise;
 pub mod request;
 pub mod router;
@@ -70,7 +71,8 @@ pub use events::{
 };
 pub use hashing::{ApproxHashing, BlockKey, DualKeyHashing, RequestKeys};
 pub use index::{ApproxIndex, IndexStats};
-pub use precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats, StreamVerdict};
+pub use metrics::{parse_prometheus, MetricsError};
+pub use precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats, StreamInfo, StreamVerdict};
 pub use request::{Api, ChatInput, ChatMessage, Horizon, JudgmentHint, Prompt, RawJson, RouteRequest};
 pub use router::{ActivePolicy, EndpointInfo, Router, RouterCounters, RouterStats};
 pub use score::{EndpointScore, FilterReason};

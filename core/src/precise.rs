@@ -280,6 +280,8 @@ struct Stream {
     last_ts: f64,
     seen_events: bool,
     stale_until_ms: u64,
+    /// Router time of the last applied batch.
+    last_applied_ms: Option<u64>,
 }
 
 /// What applying a batch did.
@@ -325,6 +327,23 @@ pub struct PreciseStats {
     pub speculative_requests: u64,
     /// Speculative (block, endpoint) memberships not yet expired.
     pub speculative_blocks: u64,
+    /// Replays the subscriber completed.
+    pub replays: u64,
+    /// Replays that failed (unavailable, timed out, too old).
+    pub replay_failures: u64,
+}
+
+/// Event-stream state of one endpoint, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StreamInfo {
+    /// Last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Publisher timestamp (seconds) of the newest batch applied.
+    pub last_publisher_ts: f64,
+    /// Router time (ms) when the last batch was applied.
+    pub last_applied_ms: Option<u64>,
+    /// Whether routing trusts the stream now.
+    pub healthy: bool,
 }
 
 #[derive(Debug)]
@@ -426,6 +445,38 @@ impl KvIndex {
     /// not recovering from an unrecoverable gap.
     pub fn healthy(&self, slot: usize, now_ms: u64) -> bool {
         self.streams.get(slot).is_some_and(|s| s.seen_events && now_ms >= s.stale_until_ms)
+    }
+
+    /// The event-stream state of `slot`.
+    pub fn stream_info(&self, slot: usize, now_ms: u64) -> StreamInfo {
+        let s = self.streams.get(slot).cloned().unwrap_or_default();
+        StreamInfo {
+            last_seq: s.last_seq,
+            last_publisher_ts: s.last_ts,
+            last_applied_ms: s.last_applied_ms,
+            healthy: self.healthy(slot, now_ms),
+        }
+    }
+
+    /// Count a replay attempt by the event subscriber.
+    pub fn record_replay(&mut self, ok: bool) {
+        if ok {
+            self.stats.replays += 1;
+        } else {
+            self.stats.replay_failures += 1;
+        }
+    }
+
+    /// Judge and (when in order) apply one decoded batch from `slot`'s publisher, received at
+    /// router time `now_ms`.
+    pub fn apply_at(&mut self, slot: usize, batch: &EventBatch, seq: Option<u64>, now_ms: u64) -> ApplyOutcome {
+        let out = self.apply(slot, batch, seq);
+        if matches!(out.verdict, StreamVerdict::Applied | StreamVerdict::Reset) {
+            if let Some(s) = self.streams.get_mut(slot) {
+                s.last_applied_ms = Some(now_ms);
+            }
+        }
+        out
     }
 
     /// Judge and (when in order) apply one decoded batch from `slot`'s publisher.

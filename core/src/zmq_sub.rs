@@ -761,11 +761,15 @@ impl Worker {
             }
         };
         match end {
-            ReplayEnd::Done => {}
+            ReplayEnd::Done => {
+                // Counted in the router's metrics too (its `metrics_text`).
+                let _ = self.router.record_replay(&self.endpoint_id, true);
+            }
             ReplayEnd::Stopped => return,
             ReplayEnd::Failed(reason) => {
                 if reason != ReplayFailure::Unavailable {
                     bump(&self.counters.replay_failures);
+                    let _ = self.router.record_replay(&self.endpoint_id, false);
                 }
                 self.notify(SubscriberEvent::ReplayFailed { expected, reason });
                 self.resync(expected, held);

@@ -255,3 +255,44 @@ fn dual_keys_keep_tenants_apart_using_the_salt_the_engine_reports() {
     assert_eq!(hit(Some("tenant-b")), 0);
     assert_eq!(hit(None), 0);
 }
+
+#[test]
+fn prometheus_pages_feed_metrics_and_the_router_exposes_its_own() {
+    let r = router("hybrid");
+    let page = "vllm:num_requests_waiting{engine=\"0\"} 2\nvllm:num_requests_running{engine=\"0\"} 5\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.4\n";
+    let m = r.update_metrics_from_prometheus(A, page, 1_000).unwrap();
+    assert_eq!((m.waiting, m.running, m.kv_usage, m.updated_ms), (2, 5, 0.4, 1_000));
+    assert_eq!(r.endpoints().iter().find(|e| &*e.id == A).unwrap().metrics.as_ref().unwrap().waiting, 2);
+    // A bad page changes nothing.
+    assert!(r.update_metrics_from_prometheus(A, "vllm:num_requests_waiting oops\n", 2_000).is_err());
+    assert!(matches!(
+        r.update_metrics_from_prometheus("10.9.9.9:1", page, 0),
+        Err(kvroute::MetricsError::State(kvroute::StateError::UnknownEndpoint { .. }))
+    ));
+    assert_eq!(r.endpoints().iter().find(|e| &*e.id == A).unwrap().metrics.as_ref().unwrap().updated_ms, 1_000);
+
+    r.apply_batch(A, &batch(1.0, vec![stored(1000, 64, 0, None, Medium::Gpu)]), Some(0), 1_500).unwrap();
+    let d = r.route_http(body(1024).as_bytes(), [("x", "y")], 1_600).unwrap();
+    r.complete(&d.request_id).unwrap();
+    r.record_replay(A, true).unwrap();
+    let text = r.metrics_text(2_000);
+    for want in [
+        "kvroute_decisions_total{mode=\"decode-direct\",rule=\"decode_direct\"} 1",
+        "kvroute_prefix_hit_ratio_bucket{le=\"1.0\"} 1",
+        "kvroute_prefix_hit_ratio_count 1",
+        "kvroute_event_batches_total 1",
+        "kvroute_event_replays_total 1",
+        "kvroute_event_stream_healthy{endpoint=\"10.0.0.1:8000\"} 1",
+        "kvroute_event_stream_healthy{endpoint=\"10.0.0.2:8000\"} 0",
+        "kvroute_event_age_seconds{endpoint=\"10.0.0.1:8000\"} 0.5",
+        "kvroute_index_memberships{index=\"precise\"} 64",
+        "# TYPE kvroute_prefix_hit_ratio histogram",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    // Every sample line is `name{labels} value` with a numeric value.
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let v = line.rsplit(' ').next().unwrap();
+        assert!(v.parse::<f64>().is_ok(), "{line}");
+    }
+}
