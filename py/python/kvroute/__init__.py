@@ -1,0 +1,78 @@
+"""kvroute: KV-cache-aware routing for LLM serving.
+
+For every inference request, :meth:`Router.route` picks the endpoint(s) and the serving mode:
+``decode-direct`` (a decode endpoint already holds the prompt's KV cache), ``colocated`` or
+``disaggregated`` (a prefill endpoint computes the KV cache and ships it to a decode endpoint).
+
+The routing engine is the Rust core (``kvroute._native``); this package re-exports it and
+defines the exception hierarchy. Every call releases the GIL while the core works, and one
+:class:`Router` is meant to be shared by all threads.
+
+>>> import kvroute
+>>> router = kvroute.Router({"modes": {"colocated_input_max_tokens": 256}})
+>>> router.upsert_endpoint("10.0.0.1:8000", "decode")
+>>> router.update_metrics("10.0.0.1:8000", waiting=0, running=0, kv_usage=0.1)
+>>> d = router.route({"model": "m", "prompt": "hello", "max_tokens": 16})
+>>> d.endpoint, d.mode
+('10.0.0.1:8000', 'colocated')
+>>> router.complete(d.request_id)
+
+Every ``now`` argument is milliseconds on the router's clock; it defaults to :func:`now_ms`
+(UNIX milliseconds), the clock :meth:`Router.subscribe` feeds events with.
+"""
+
+from __future__ import annotations
+
+from kvroute._errors import (
+    ConfigError,
+    EventError,
+    KvrouteError,
+    MetricsError,
+    NoEndpointsError,
+    RequestError,
+    SimulationError,
+    StateError,
+    SubscribeError,
+    TokenizerError,
+)
+from kvroute._native import (
+    ApplyOutcome,
+    Decision,
+    EndpointScore,
+    Judgment,
+    Policy,
+    Router,
+    Shed,
+    SimulationResult,
+    Subscription,
+    TransferEstimate,
+    __version__,
+    now_ms,
+    simulate,
+)
+
+__all__ = [
+    "ApplyOutcome",
+    "ConfigError",
+    "Decision",
+    "EndpointScore",
+    "EventError",
+    "Judgment",
+    "KvrouteError",
+    "MetricsError",
+    "NoEndpointsError",
+    "Policy",
+    "RequestError",
+    "Router",
+    "Shed",
+    "SimulationError",
+    "SimulationResult",
+    "StateError",
+    "SubscribeError",
+    "Subscription",
+    "TokenizerError",
+    "TransferEstimate",
+    "__version__",
+    "now_ms",
+    "simulate",
+]

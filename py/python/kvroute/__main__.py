@@ -1,0 +1,7 @@
+"""``python -m kvroute``: the ``kvroute`` command."""
+
+import sys
+
+from kvroute.cli import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""kvroute's exception hierarchy.
+
+Every error kvroute raises on bad input or refused state changes is a :class:`KvrouteError`;
+passing a value of the wrong Python type raises :class:`TypeError` instead. Each class carries
+structured attributes (``kind`` always; ``field``, ``offset``, ``endpoint``, … where they apply),
+so callers never need to parse messages. Attributes that do not apply are ``None``.
+
+The native module raises these classes (it imports this module on its first error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "KvrouteError",
+    "ConfigError",
+    "RequestError",
+    "EventError",
+    "StateError",
+    "NoEndpointsError",
+    "SubscribeError",
+    "TokenizerError",
+    "MetricsError",
+    "SimulationError",
+]
+
+
+class KvrouteError(Exception):
+    """Base class of every kvroute error.
+
+    ``str(error)`` is the core's message; ``kind`` names the variant (snake case), e.g.
+    ``"unknown_endpoint"`` or ``"body_too_large"``.
+    """
+
+    kind: str = "other"
+
+    def __init__(self, message: str, **attributes: Any) -> None:
+        super().__init__(message)
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in sorted(vars(self).items()))
+        return f"{type(self).__name__}({str(self)!r}{extra})"
+
+
+class ConfigError(KvrouteError, ValueError):
+    """A policy document could not be read or is invalid; the previous policy keeps serving.
+
+    ``kind`` is ``"parse"`` (syntax, wrong type, unknown field) or ``"invalid"`` (a value out of
+    range). ``field`` is the dotted path of the offending field (``"."`` for the document root).
+    """
+
+    format: str | None = None
+    field: str | None = None
+    value: str | None = None
+    reason: str | None = None
+
+
+class RequestError(KvrouteError, ValueError):
+    """An inference request (body or headers) could not be understood.
+
+    ``kind``: ``"body_too_large"`` (``size``, ``limit``), ``"empty_body"``, ``"json"``
+    (``line``, ``column``), ``"field"`` (``field``, e.g. ``"messages[2].content"``) or
+    ``"header"`` (``header``, ``value``).
+    """
+
+    field: str | None = None
+    header: str | None = None
+    value: str | None = None
+    reason: str | None = None
+    line: int | None = None
+    column: int | None = None
+    size: int | None = None
+    limit: int | None = None
+
+
+class EventError(KvrouteError, ValueError):
+    """A KV-event payload is not a valid event batch; nothing of it was applied.
+
+    ``offset`` is the byte offset of the value at fault; ``event`` the index of the event at
+    fault (``None`` for the batch envelope); ``field`` the wire field when one is missing.
+    """
+
+    offset: int = 0
+    event: int | None = None
+    field: str | None = None
+
+
+class StateError(KvrouteError):
+    """An endpoint-table or request-tracking operation was refused.
+
+    ``kind``: ``"invalid_endpoint_id"``, ``"unknown_endpoint"``, ``"too_many_endpoints"``
+    (``limit``), ``"invalid_metrics"`` (``field``, ``value``) or ``"unknown_request"``
+    (``request_id``). ``endpoint`` names the endpoint concerned.
+    """
+
+    endpoint: str | None = None
+    request_id: str | None = None
+    field: str | None = None
+    value: str | None = None
+    reason: str | None = None
+    limit: int | None = None
+
+
+class NoEndpointsError(StateError):
+    """No healthy endpoint can serve the request (none registered, all unhealthy, or none that
+    can decode). ``kind`` is ``"no_endpoints"``; ``reason`` says what was missing."""
+
+
+class SubscribeError(KvrouteError):
+    """A KV-event subscription could not be started or ended badly.
+
+    ``kind``: ``"invalid_config"`` (``field``), ``"endpoint_id"``, ``"socket"`` (``op``,
+    ``endpoint``), ``"spawn"`` or ``"worker_panicked"``.
+    """
+
+    field: str | None = None
+    op: str | None = None
+    endpoint: str | None = None
+    reason: str | None = None
+
+
+class TokenizerError(KvrouteError):
+    """A tokenizer (``tokenizer.json``, chat template, tokenizer config) could not be loaded."""
+
+    path: str | None = None
+
+
+class MetricsError(KvrouteError, ValueError):
+    """A Prometheus metrics page could not be used; nothing was stored.
+
+    ``kind``: ``"malformed"`` (``line``, 1-based, ``text`` and ``reason``) or
+    ``"no_known_metrics"`` (no vLLM or SGLang engine metric on the page).
+    """
+
+    line: int | None = None
+    text: str | None = None
+    reason: str | None = None
+
+
+class SimulationError(KvrouteError, ValueError):
+    """The trace simulator refused its settings or workload: ``field`` names the setting,
+    ``line`` the trace line, ``path`` the file that could not be read or written."""
+
+    field: str | None = None
+    line: int | None = None
+    path: str | None = None
+    reason: str | None = None
+
+
+# Shown (and pickled) as `kvroute.ConfigError` etc.: this module is an implementation detail.
+for _cls in (
+    KvrouteError,
+    ConfigError,
+    RequestError,
+    EventError,
+    StateError,
+    NoEndpointsError,
+    SubscribeError,
+    TokenizerError,
+    MetricsError,
+    SimulationError,
+):
+    _cls.__module__ = "kvroute"
+del _cls
