@@ -275,6 +275,10 @@ pub struct Decision {
     pub endpoints: Arc<[Arc<str>]>,
     /// Score breakdowns: `scores[i]` belongs to `endpoints[i]`.
     pub scores: Vec<EndpointScore>,
+    /// The state changes this decision made, for other router instances to apply
+    /// (`Router::apply_effect`); set only when `Router::record_effects(true)` and not shed.
+    #[serde(skip)]
+    pub effect: Option<Arc<crate::effect::RoutingEffect>>,
 }
 
 impl Decision {

@@ -42,6 +42,7 @@
 pub mod admission;
 pub mod config;
 pub mod decision;
+pub mod effect;
 pub mod endpoints;
 pub mod engine_hash;
 pub mod error;
@@ -60,6 +61,7 @@ pub mod zmq_sub;
 
 pub use config::{Policy, PolicyConfig};
 pub use decision::{Decision, Judgment, JudgmentSource, Mode, Rule, Shed, TransferEstimate};
+pub use effect::{EffectDecodeError, RoutingEffect};
 pub use endpoints::{EndpointSpec, MetricsSnapshot, Role};
 pub use engine_hash::{
     BlockDigest, BlockExtras, EngineHashError, EngineHashSpec, EngineHasher, ExtraKeysForm, HashAlgo, LoraAdapter,

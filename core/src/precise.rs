@@ -610,20 +610,20 @@ impl KvIndex {
     /// speculative membership carries the expiry tick of its latest speculation).
     #[cfg(test)]
     pub(crate) fn speculate(&mut self, keys: &RequestKeys, slot: usize, incarnation: u32, expires_ms: u64) {
-        self.speculate_from(keys, 0, slot, incarnation, expires_ms);
+        self.speculate_from(&keys.keys, 0, slot, incarnation, expires_ms);
     }
 
     /// [`KvIndex::speculate`] for the keys from position `skip` on (the leading ones are already
     /// held in a tier).
     pub(crate) fn speculate_from(
         &mut self,
-        keys: &RequestKeys,
+        keys: &[BlockKey],
         skip: usize,
         slot: usize,
         incarnation: u32,
         expires_ms: u64,
     ) {
-        let Some(keys) = keys.keys.get(skip..).filter(|k| !k.is_empty()) else { return };
+        let Some(keys) = keys.get(skip..).filter(|k| !k.is_empty()) else { return };
         self.blocks.speculate(keys, slot, spec_tick(expires_ms));
         self.speculation.push_back(Speculation { expires_ms, slot, incarnation, keys: keys.into() });
     }

@@ -12,6 +12,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3DefaultBuilder};
 use crate::admission;
 use crate::config::{IndexMode, Policy};
 use crate::decision::{self, Decision, Mode, ModeInputs, Rule};
+use crate::effect::RoutingEffect;
 use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointTable, MetricsSnapshot, Role};
 use crate::error::{ConfigError, EventIngestError, RouteError, StateError};
 use crate::events::EventBatch;
@@ -166,6 +167,8 @@ pub struct RouterCounters {
     pub prefix_hit_sum: f64,
     /// Routed (not shed) decisions.
     pub routed: u64,
+    /// Routing effects of other router instances applied (`Router::apply_effect`).
+    pub effects_applied: u64,
 }
 
 /// A snapshot of the router's state.
@@ -285,6 +288,7 @@ pub struct Router {
     #[cfg(feature = "tokenizer")]
     tokenizer: arc_swap::ArcSwapOption<crate::tokenize::Tokenizer>,
     tokenize_errors: std::sync::atomic::AtomicU64,
+    record_effects: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Router {
@@ -326,6 +330,7 @@ impl Router {
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
             tokenize_errors: std::sync::atomic::AtomicU64::new(0),
+            record_effects: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -505,6 +510,70 @@ impl Router {
         }
     }
 
+    /// Attach a [`RoutingEffect`] to every (non-shed) decision from now on (`Decision::effect`),
+    /// for replicating routing state to other router instances. Off by default: it copies the
+    /// request's block keys.
+    pub fn record_effects(&self, on: bool) {
+        self.record_effects.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Apply the state changes a decision made by another router instance (sharing this one's
+    /// endpoints and policy): the assumed residency in the approximate index, the speculative
+    /// entries in the precise index, the in-flight request and the session affinity. Keys made
+    /// under a different index fingerprint (the instances run different policies for a moment
+    /// during a reload) are skipped; an effect whose request id is already in flight here is not
+    /// counted twice. Replicate completions with [`Router::complete`] on every instance.
+    ///
+    /// Request ids must be unique across the instances (give every request an `x-request-id`, as
+    /// Envoy does): generated `kvr-N` ids are unique only within one instance.
+    ///
+    /// Errors: `UnknownEndpoint` when the target or prefill endpoint is not registered here
+    /// (nothing is applied).
+    pub fn apply_effect(&self, e: &RoutingEffect) -> Result<(), StateError> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let slot = |st: &State, id: &str| {
+            st.endpoints.slot_of(id).ok_or_else(|| StateError::UnknownEndpoint { id: id.to_owned() })
+        };
+        let t_slot = slot(st, &e.target)?;
+        let p_slot = e.prefill.as_deref().map(|p| slot(st, p)).transpose()?;
+        let slots = std::iter::once(t_slot).chain(p_slot);
+        if e.approx_fingerprint == st.index.fingerprint() && !e.approx_keys.is_empty() {
+            let n = e.approx_seq_starts.len();
+            for i in 0..n {
+                let lo = e.approx_seq_starts[i] as usize;
+                let hi = e.approx_seq_starts.get(i + 1).map_or(e.approx_keys.len(), |&h| h as usize);
+                let Some(seq) = e.approx_keys.get(lo..hi) else { continue };
+                for s in slots.clone() {
+                    st.index.observe(seq, s as usize);
+                }
+            }
+        }
+        if e.precise_fingerprint == st.kv.fingerprint() && !e.precise_keys.is_empty() {
+            for (i, s) in slots.enumerate() {
+                let inc = st.endpoints.get(s).map_or(0, |ep| ep.incarnation);
+                let skip = e.precise_skip[i] as usize;
+                st.kv.speculate_from(&e.precise_keys, skip, s as usize, inc, e.speculative_expires_ms);
+            }
+        }
+        let target = st.endpoints.get(t_slot).map_or(SlotRef { slot: t_slot, incarnation: 0 }, |ep| SlotRef {
+            slot: t_slot,
+            incarnation: ep.incarnation,
+        });
+        if !st.inflight.contains(&e.request_id) {
+            let t = self.track(st, t_slot);
+            let p = p_slot.map(|p| self.track(st, p));
+            st.inflight.insert(&e.request_id, t, p, e.now_ms);
+            let max = self.policy.load().policy.config().limits.max_inflight_requests;
+            st.bound_inflight(max);
+        }
+        if let Some(k) = e.session_key {
+            st.sessions.push(k, target);
+        }
+        st.counters.effects_applied += 1;
+        Ok(())
+    }
+
     /// Decode one KV-event payload published by `endpoint`'s engine (msgpack, vLLM or SGLang) and
     /// apply it to the precise index. `seq` is the publisher's sequence number (ZMQ frame 2), when
     /// known. A malformed payload is rejected whole and changes nothing.
@@ -631,6 +700,7 @@ impl Router {
                 c.inflight_expired,
             ),
             ("kvroute_tokenize_errors_total", "Requests the tokenizer failed on.", c.tokenize_errors),
+            ("kvroute_effects_applied_total", "Routing effects of other router instances applied.", c.effects_applied),
         ] {
             e.header(name, "counter", help);
             e.sample(name, &[], v as f64);
@@ -892,6 +962,7 @@ impl Router {
                 transfer: None,
                 endpoints: roster,
                 scores,
+                effect: None,
             });
         }
 
@@ -926,14 +997,16 @@ impl Router {
                 }
             }
         }
+        let expires = now_ms.saturating_add(cfg.index.speculative_ttl_ms);
+        let mut precise_skip = [0u32; 2];
         if precise_valid {
-            let expires = now_ms.saturating_add(cfg.index.speculative_ttl_ms);
             let single = bufs.precise.seq_starts.len() == 1;
-            for r in std::iter::once(target).chain(prefill_ref) {
+            for (i, r) in std::iter::once(target).chain(prefill_ref).enumerate() {
                 // Blocks the endpoint already holds in a tier need no speculation: only the
                 // rest of a single-sequence prompt is speculated.
                 let held = if single { st.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
-                st.kv.speculate_from(&bufs.precise, held as usize, r.slot as usize, r.incarnation, expires);
+                precise_skip[i] = held;
+                st.kv.speculate_from(&bufs.precise.keys, held as usize, r.slot as usize, r.incarnation, expires);
             }
         }
         st.inflight.insert(&request_id, target, prefill_ref, now_ms);
@@ -959,6 +1032,30 @@ impl Router {
 
         let endpoint = roster[d].clone();
         let prefill_endpoint = prefill.map(|p| roster[p].clone());
+        let effect = self.record_effects.load(std::sync::atomic::Ordering::Relaxed).then(|| {
+            let (approx_keys, approx_seq_starts) =
+                if approx_valid { (keys.keys.clone(), keys.seq_starts.clone()) } else { (Vec::new(), Vec::new()) };
+            let (precise_keys, precise_seq_starts) = if precise_valid {
+                (bufs.precise.keys.clone(), bufs.precise.seq_starts.clone())
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            Arc::new(RoutingEffect {
+                request_id: request_id.clone(),
+                target: endpoint.clone(),
+                prefill: prefill_endpoint.clone(),
+                now_ms,
+                session_key,
+                approx_fingerprint: active.fingerprint,
+                approx_keys,
+                approx_seq_starts,
+                precise_fingerprint: active.precise_fingerprint,
+                precise_keys,
+                precise_seq_starts,
+                precise_skip,
+                speculative_expires_ms: expires,
+            })
+        });
         let mut headers = Vec::with_capacity(4);
         headers.push((decision::HEADER_DESTINATION, endpoint.to_string()));
         if let Some(p) = &prefill_endpoint {
@@ -989,6 +1086,7 @@ impl Router {
             transfer,
             endpoints: roster,
             scores,
+            effect,
         })
     }
 
@@ -1017,10 +1115,14 @@ impl Router {
                     n += 1;
                 }
             }
-            None => {
+            None => loop {
+                // Skip ids in flight (replicated from another instance, or given by a caller).
                 st.next_request += 1;
-                format!("kvr-{}", st.next_request)
-            }
+                let id = format!("kvr-{}", st.next_request);
+                if !st.inflight.contains(id.as_str()) {
+                    return id;
+                }
+            },
         }
     }
 }
