@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every kvroute test. Installs what it needs: the wasm32-wasip1 target, rustfmt and clippy,
 # Debian's libzmq (for the `zmq` feature), and a Python virtual environment (py/.venv) with
-# pinned maturin, pytest and mypy for the `kvroute` wheel.
+# pinned maturin, pytest and mypy for the `kvroute` wheel; the part scripts it calls at the end
+# (scripts/test-ffi.sh) install Go and valgrind the same way.
 # Usage: ./scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +39,10 @@ step "rustdoc (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace $NOT_PY --no-deps --locked --quiet
 RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute --features "$FEATURES" --no-deps --locked --quiet
 
-step "tests (unit, integration, golden fixtures, property tests, doc tests)"
-cargo test --workspace $NOT_PY --locked
+step "tests (unit, integration, golden fixtures, property tests, doc tests; default features)"
+# The crates that enable the core's native features (the C library) are
+# tested in their own steps below, so this build keeps the core's default feature set.
+cargo test -p kvroute -p kvroute-benches --locked
 
 step "tests with the native features: ZMQ subscriber (loopback only) and tokenizer"
 cargo test -p kvroute --features "$FEATURES" --locked
@@ -75,5 +78,8 @@ target/py-fresh-venv/bin/kvroute check-config - <<<'{"index": {"mode": "hybrid"}
 (cd py && .venv/bin/python -m mypy.stubtest kvroute._native && .venv/bin/python -m mypy)
 # --- example gateway: strict type check (its test runs with the pytest line above) ---
 (cd py && .venv/bin/python -m mypy examples/gateway.py)
+
+step "C library libkvroute (ffi/): header drift, C tests under ASan and valgrind, C and Go examples"
+./scripts/test-ffi.sh
 
 step "all tests passed"

@@ -1,0 +1,3 @@
+module kvroute.example/route
+
+go 1.19

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Tests of the C library libkvroute (ffi/, crate kvroute-ffi; header generator ffi/header):
+#   format, clippy and rustdoc (warnings denied); the Rust unit tests and the header drift check;
+#   libkvroute.so, libkvroute.a and kvroute.pc built; the C tests (ffi/tests/*.c, built with
+#   -Wall -Wextra -Werror) under AddressSanitizer + UndefinedBehaviorSanitizer against the static
+#   library and under valgrind (memcheck, leaks are errors) against the shared library; the C
+#   example (shared and static), the Go example (cgo) and the C bench program (a short smoke
+#   run; the measured numbers come from ffi/bench/run.sh).
+# Installs what it needs when missing: Debian's pkg-config, libzmq3-dev, libcjson-dev (the golden
+# test reads the fixtures with cJSON), valgrind and golang-go.
+# Usage: ./scripts/test-ffi.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "system packages"
+missing=()
+for pkg in gcc pkg-config libzmq3-dev libcjson-dev valgrind golang-go; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update && apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
+rustup component list --installed | grep -q '^clippy' || rustup component add clippy
+
+CRATES=(-p kvroute-ffi -p kvroute-ffi-header)
+TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-target}")
+NATIVE="$TARGET_DIR/tmp/native-decisions.tsv"
+
+step "format, clippy, rustdoc (warnings denied)"
+cargo fmt -p kvroute-ffi -p kvroute-ffi-header -- --check
+cargo clippy "${CRATES[@]}" --all-targets --locked -- -D warnings
+# The C library's lib is named `kvroute` like the core's, so `cargo doc` leaves it out
+# (`doc = false`: both would write target/doc/kvroute); `cargo rustdoc` checks its docs, then the
+# core's docs are written back over it.
+RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute-ffi-header --no-deps --locked --quiet
+cargo rustdoc -p kvroute-ffi --lib --locked --quiet -- -D warnings
+cargo doc -p kvroute --no-deps --locked --quiet
+
+step "Rust tests: unit tests, header drift check (ffi/include/kvroute.h == cbindgen output), native decisions"
+# ffi/tests/native_decisions.rs writes <target>/tmp/native-decisions.tsv: the golden fixtures'
+# decisions made by the core directly, which the C golden test must reproduce byte for byte.
+rm -f "$NATIVE"
+cargo test "${CRATES[@]}" --locked
+
+step "libkvroute.so, libkvroute.a, kvroute.pc"
+cargo build -p kvroute-ffi --locked
+LIBDIR="$TARGET_DIR/debug"
+for f in libkvroute.so libkvroute.a kvroute.pc; do
+  [ -f "$LIBDIR/$f" ] || { echo "missing $LIBDIR/$f" >&2; exit 1; }
+done
+export PKG_CONFIG_PATH="$LIBDIR${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+[ "$(pkg-config --modversion kvroute)" = "$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)" ]
+# Written by ffi/build.rs for the features of the last build here (the default ones: zmq).
+if [[ "$(pkg-config --static --libs kvroute)" != *-lzmq* ]]; then
+  echo "$LIBDIR/kvroute.pc lacks -lzmq: it was written by a build without the zmq feature;" \
+    "touch ffi/build.rs and build again" >&2
+  exit 1
+fi
+# Every symbol the header declares is exported by both libraries, and nothing else is.
+declared=$(grep -oE '\bkvroute_[a-z0-9_]+\(' ffi/include/kvroute.h | tr -d '(' | sort -u)
+for lib in "$LIBDIR/libkvroute.so" "$LIBDIR/libkvroute.a"; do
+  exported=$(nm -g --defined-only "$lib" 2>/dev/null | awk '{print $3}' | grep -E '^kvroute_' | sort -u)
+  if [ "$declared" != "$exported" ]; then
+    echo "symbols of $lib differ from the header:" >&2
+    diff <(echo "$declared") <(echo "$exported") >&2 || true
+    exit 1
+  fi
+done
+echo "$(echo "$declared" | wc -l) functions, exported by both libraries"
+
+OUT="$TARGET_DIR/ffi-tests"
+mkdir -p "$OUT/asan" "$OUT/plain"
+CFLAGS=(-std=c11 -Wall -Wextra -Werror -g)
+CJSON=$(pkg-config --cflags --libs libcjson)
+SHARED=$(pkg-config --cflags --libs kvroute)
+# Static: pkg-config's flags, with the archive picked explicitly (the build directory holds the
+# shared library too, which a plain -lkvroute would prefer).
+STATIC=$(pkg-config --cflags --static --libs kvroute | sed 's/-lkvroute\b/-l:libkvroute.a/')
+TESTS=(api errors golden threads subscribe)
+args_of() {
+  case "$1" in
+    api) echo "fixtures" ;;
+    golden) echo "fixtures/golden $NATIVE" ;;
+    threads) echo "${2:-200}" ;;
+    *) echo "" ;;
+  esac
+}
+
+step "C tests under AddressSanitizer + UndefinedBehaviorSanitizer (static library)"
+for t in "${TESTS[@]}"; do
+  # shellcheck disable=SC2086 # flag lists
+  gcc "${CFLAGS[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+    -o "$OUT/asan/$t" "ffi/tests/$t.c" $STATIC $CJSON -lzmq -lpthread -lm
+done
+for t in "${TESTS[@]}"; do
+  # detect_leaks: any block kvroute (Rust code included: it allocates with malloc) leaves is an error.
+  # shellcheck disable=SC2046
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    timeout 120 "$OUT/asan/$t" $(args_of "$t")
+done
+
+step "C tests under valgrind memcheck (shared library; errors and leaks fail)"
+for t in "${TESTS[@]}"; do
+  # shellcheck disable=SC2086
+  gcc "${CFLAGS[@]}" -O1 -o "$OUT/plain/$t" "ffi/tests/$t.c" $SHARED $CJSON -lzmq -lpthread -lm
+done
+# Suppressions (ffi/tests/valgrind.supp, reasons there): only "possibly lost" process-lifetime
+# allocations of Rust std and minijinja, never kvroute's own blocks.
+VALGRIND=(valgrind -q --error-exitcode=99 --leak-check=full
+  --show-leak-kinds=definite,indirect,possible --errors-for-leak-kinds=definite,indirect,possible
+  --suppressions=ffi/tests/valgrind.supp)
+for t in "${TESTS[@]}"; do
+  # threads: fewer routes per thread under valgrind (it serializes threads).
+  # shellcheck disable=SC2046
+  LD_LIBRARY_PATH="$LIBDIR" timeout 300 "${VALGRIND[@]}" "$OUT/plain/$t" $(args_of "$t" 25)
+done
+
+step "examples: ffi/examples/route.c (shared and static) and the Go example (cgo)"
+# shellcheck disable=SC2086
+gcc "${CFLAGS[@]}" -o "$OUT/route" ffi/examples/route.c $SHARED
+# shellcheck disable=SC2086
+gcc "${CFLAGS[@]}" -o "$OUT/route-static" ffi/examples/route.c $STATIC
+if ldd "$OUT/route-static" | grep -q libkvroute; then
+  echo "route-static links libkvroute.so" >&2
+  exit 1
+fi
+LD_LIBRARY_PATH="$LIBDIR" "$OUT/route" | tee "$OUT/route.txt"
+"$OUT/route-static" >"$OUT/route-static.txt"
+cmp "$OUT/route.txt" "$OUT/route-static.txt"
+grep -q '^  mode: *decode-direct$' "$OUT/route.txt"
+(
+  cd ffi/examples/go
+  # No network: the example has no dependencies. Caches under target/ when not set.
+  export GOFLAGS=-mod=mod GOPROXY=off GOCACHE="${GOCACHE:-$TARGET_DIR/go-build}" \
+    GOPATH="${GOPATH:-$TARGET_DIR/go}" LD_LIBRARY_PATH="$LIBDIR"
+  [ -z "$(gofmt -l .)" ] || { gofmt -d . >&2; exit 1; }
+  go vet .
+  go run . | tee "$OUT/route-go.txt"
+)
+grep -q '^  mode: *decode-direct$' "$OUT/route-go.txt"
+grep -q 'KVROUTE_RESULT_REQUEST_ERROR' "$OUT/route-go.txt"
+
+step "bench program builds and runs (smoke run; numbers: ffi/bench/run.sh)"
+# shellcheck disable=SC2086
+gcc "${CFLAGS[@]}" -O2 -o "$OUT/route_bench" ffi/bench/route_bench.c $SHARED
+LD_LIBRARY_PATH="$LIBDIR" "$OUT/route_bench" 50
+
+step "libkvroute: all tests passed"
