@@ -2,7 +2,7 @@
 # Runs every kvroute test. Installs what it needs: the wasm32-wasip1 target, rustfmt and clippy,
 # Debian's libzmq (for the `zmq` feature), and a Python virtual environment (py/.venv) with
 # pinned maturin, pytest and mypy for the `kvroute` wheel; the part scripts it calls at the end
-# (scripts/test-{ffi,worker}.sh) install Go and valgrind the same way.
+# (scripts/test-{ffi,wasm,worker}.sh) install Go and valgrind the same way.
 # Usage: ./scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,9 +40,9 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace $NOT_PY --no-deps --locked --qu
 RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute --features "$FEATURES" --no-deps --locked --quiet
 
 step "tests (unit, integration, golden fixtures, property tests, doc tests; default features)"
-# The crates that enable the core's native features (the C library, the worker) are
+# The crates that enable the core's native features (C library, worker, relay, filter tests) are
 # tested in their own steps below, so this build keeps the core's default feature set.
-cargo test -p kvroute -p kvroute-benches --locked
+cargo test -p kvroute -p kvroute-benches -p kvroute-wasm --locked
 
 step "tests with the native features: ZMQ subscriber (loopback only) and tokenizer"
 cargo test -p kvroute --features "$FEATURES" --locked
@@ -81,6 +81,9 @@ target/py-fresh-venv/bin/kvroute check-config - <<<'{"index": {"mode": "hybrid"}
 
 step "C library libkvroute (ffi/): header drift, C tests under ASan and valgrind, C and Go examples"
 ./scripts/test-ffi.sh
+
+step "Envoy filter (wasm-filter/): kvroute_filter.wasm, wasmtime proxy-wasm host tests, relay"
+./scripts/test-wasm.sh
 
 step "reference worker (gpu-worker/): HTTP API, KV events, metrics, KV transfer, demo"
 ./scripts/test-worker.sh

@@ -1,0 +1,412 @@
+//! The plugin configuration: the core policy JSON plus a `filter` section.
+//!
+//! ```json
+//! {
+//!   "modes": { "decode_kv_ceiling": 0.8 },
+//!   "filter": {
+//!     "endpoints": [ { "address": "10.0.0.7:8000", "role": "decode" } ],
+//!     "metrics": { "cluster": "kvroute_endpoints", "interval_ms": 250 },
+//!     "events": { "path": "/kvroute/v1/events", "secret": "a shared secret of 16+ bytes" }
+//!   }
+//! }
+//! ```
+//!
+//! Everything except `filter` is the policy document every kvroute surface accepts (validated by
+//! the core: unknown fields are errors). The `filter` section is described field by field on
+//! [`FilterSection`]; `wasm-filter/README.md` has the operator's view.
+
+use kvroute::{Policy, Role};
+use serde::Deserialize;
+
+/// Default metric polling interval (ms). Below the core's default metric staleness (1 s), so a
+/// single lost poll does not make an endpoint stale.
+pub const DEFAULT_POLL_INTERVAL_MS: u64 = 250;
+/// Default metric path.
+pub const DEFAULT_METRICS_PATH: &str = "/metrics";
+/// Default tick period (ms): how often an idle VM applies the shared log and the poller checks
+/// whether a poll is due.
+pub const DEFAULT_TICK_MS: u64 = 100;
+/// Default shared-data namespace.
+pub const DEFAULT_NAMESPACE: &str = "kvroute";
+/// Default ring size of the replicated log (entries).
+pub const DEFAULT_RING_ENTRIES: u32 = 8192;
+/// Smallest allowed ring.
+pub const MIN_RING_ENTRIES: u32 = 16;
+/// Largest allowed ring.
+pub const MAX_RING_ENTRIES: u32 = 1 << 20;
+/// Shortest accepted event-ingestion secret (bytes).
+pub const MIN_SECRET_BYTES: usize = 16;
+/// Default largest accepted event batch body (bytes).
+pub const DEFAULT_EVENT_MAX_BODY_BYTES: usize = 8 << 20;
+/// Default status of the local reply when fail-open is disabled and the filter cannot route.
+pub const DEFAULT_REJECT_STATUS: u16 = 503;
+/// Header carrying the decision as JSON when `debug_decision_header` is on.
+pub const HEADER_DECISION: &str = "x-kvroute-decision";
+
+/// A configuration that could not be used (the filter keeps the previous one, if any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Dotted path of the offending field (`.` for the document).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "invalid plugin configuration at `{}`: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.to_owned(), message: message.into() }
+}
+
+/// One model server.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    /// `ip:port` the engine serves on: the router's endpoint id, the value of
+    /// `x-gateway-destination-endpoint`, and the `:authority` of its metric polls.
+    pub address: String,
+    /// `prefill`, `decode` or `both`.
+    pub role: Role,
+    /// `false` drains the endpoint: it stays registered (its index entries are kept) but is never
+    /// picked. Default `true`.
+    #[serde(default = "yes")]
+    pub healthy: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Metric polling: one VM (elected through a shared-data lease) GETs every endpoint's metrics page
+/// through `cluster` and shares the snapshots with the other VMs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsPolling {
+    /// Envoy cluster the callouts go through: an ORIGINAL_DST cluster keyed by
+    /// `x-gateway-destination-endpoint` (the routing cluster itself works).
+    pub cluster: String,
+    /// Path of the metrics page. Default `/metrics`.
+    #[serde(default = "default_metrics_path")]
+    pub path: String,
+    /// Poll every endpoint this often (ms). Must be below the policy's `metrics.staleness_ms`.
+    #[serde(default = "default_poll_interval")]
+    pub interval_ms: u64,
+    /// Callout timeout (ms). Default: the interval.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// How long the poller's lease lasts without renewal (ms): another VM takes over after it.
+    /// Default: 4 × the interval.
+    #[serde(default)]
+    pub lease_ms: Option<u64>,
+}
+
+fn default_metrics_path() -> String {
+    DEFAULT_METRICS_PATH.to_owned()
+}
+
+fn default_poll_interval() -> u64 {
+    DEFAULT_POLL_INTERVAL_MS
+}
+
+impl MetricsPolling {
+    /// The callout timeout (ms).
+    pub fn timeout(&self) -> u64 {
+        self.timeout_ms.unwrap_or(self.interval_ms)
+    }
+
+    /// The lease duration (ms).
+    pub fn lease(&self) -> u64 {
+        self.lease_ms.unwrap_or(self.interval_ms.saturating_mul(4))
+    }
+}
+
+/// Authenticated KV-event ingestion: POSTs to `path` carry one engine batch each (see
+/// `crate::ingest`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventIngestion {
+    /// Exact request path the filter answers itself (e.g. `/kvroute/v1/events`).
+    pub path: String,
+    /// Shared secret, sent by the relay in `x-kvroute-secret` (at least 16 bytes).
+    pub secret: String,
+    /// Largest accepted batch (bytes). Default 8 MiB.
+    #[serde(default = "default_event_max_body")]
+    pub max_body_bytes: usize,
+}
+
+fn default_event_max_body() -> usize {
+    DEFAULT_EVENT_MAX_BODY_BYTES
+}
+
+/// What happens when the filter cannot route a request with the core (malformed body, no
+/// endpoint, internal error).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailOpen {
+    /// `true` (default): the request still goes upstream, to the least-loaded healthy endpoint.
+    /// `false`: it is answered locally with `reject_status`.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Status of that local answer. Default 503.
+    #[serde(default = "default_reject_status")]
+    pub reject_status: u16,
+}
+
+fn default_reject_status() -> u16 {
+    DEFAULT_REJECT_STATUS
+}
+
+impl Default for FailOpen {
+    fn default() -> Self {
+        FailOpen { enabled: true, reject_status: DEFAULT_REJECT_STATUS }
+    }
+}
+
+/// The replicated log the worker VMs share (see `crate::sync`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncConfig {
+    /// Shared-data key prefix. Filters that share a namespace (same Envoy `vm_id`) share routing
+    /// state, so they must list the same endpoints. Default `kvroute`.
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// Entries the ring holds. A VM more than this many entries behind loses some (see the
+    /// README's fallback). Default 8192.
+    #[serde(default = "default_ring")]
+    pub ring_entries: u32,
+    /// Tick period (ms): idle VMs apply the log this often. Default 100.
+    #[serde(default = "default_tick")]
+    pub tick_ms: u64,
+}
+
+fn default_namespace() -> String {
+    DEFAULT_NAMESPACE.to_owned()
+}
+
+fn default_ring() -> u32 {
+    DEFAULT_RING_ENTRIES
+}
+
+fn default_tick() -> u64 {
+    DEFAULT_TICK_MS
+}
+
+impl Default for SyncConfig {
+    fn default() -> Self {
+        SyncConfig { namespace: default_namespace(), ring_entries: default_ring(), tick_ms: default_tick() }
+    }
+}
+
+/// The `filter` section of the plugin configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterSection {
+    /// The model servers (static list; a reconfiguration adds, changes, drains or removes them).
+    pub endpoints: Vec<EndpointConfig>,
+    /// Metric polling; absent: no polling (metrics then never arrive and the policy's staleness
+    /// filter relaxes, so routing uses prefix, in-flight and session terms only).
+    #[serde(default)]
+    pub metrics: Option<MetricsPolling>,
+    /// KV-event ingestion; absent: the filter answers no event path.
+    #[serde(default)]
+    pub events: Option<EventIngestion>,
+    /// Fail-open behaviour.
+    #[serde(default)]
+    pub fail_open: FailOpen,
+    /// The shared log.
+    #[serde(default)]
+    pub sync: SyncConfig,
+    /// Set `x-kvroute-decision` (the decision as JSON) on routed requests and shed answers.
+    /// For debugging and tests: it is large (one score per endpoint).
+    #[serde(default)]
+    pub debug_decision_header: bool,
+    /// A `GET` of this exact path is answered with the router's Prometheus metrics plus the
+    /// filter's counters, as seen by the VM that answers.
+    #[serde(default)]
+    pub stats_path: Option<String>,
+}
+
+/// A validated plugin configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PluginConfig {
+    /// The routing policy.
+    pub policy: Policy,
+    /// The filter section.
+    pub filter: FilterSection,
+}
+
+impl PluginConfig {
+    /// Parse and validate the plugin configuration bytes.
+    pub fn parse(bytes: &[u8]) -> Result<PluginConfig, ConfigError> {
+        let text = std::str::from_utf8(bytes).map_err(|_| err(".", "not UTF-8"))?;
+        if text.trim().is_empty() {
+            return Err(err(".", "empty: a `filter` section with `endpoints` is required"));
+        }
+        let mut doc: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(text).map_err(|e| err(".", format!("not a JSON object: {e}")))?;
+        let filter = doc.remove("filter").ok_or_else(|| err("filter", "missing (it lists the endpoints)"))?;
+        let filter: FilterSection = serde_path_to_error::deserialize(filter).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." { "filter".to_owned() } else { format!("filter.{path}") };
+            err(&field, e.inner().to_string())
+        })?;
+        let policy =
+            Policy::from_json(&serde_json::Value::Object(doc).to_string()).map_err(|e| err("policy", e.to_string()))?;
+        let cfg = PluginConfig { policy, filter };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let f = &self.filter;
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, e) in f.endpoints.iter().enumerate() {
+            let field = format!("filter.endpoints[{i}].address");
+            kvroute::endpoints::validate_endpoint_id(&e.address).map_err(|x| err(&field, x.to_string()))?;
+            if !seen.insert(e.address.as_str()) {
+                return Err(err(&field, format!("{:?} is listed twice", e.address)));
+            }
+        }
+        let max = self.policy.config().limits.max_endpoints;
+        if f.endpoints.len() > max {
+            return Err(err(
+                "filter.endpoints",
+                format!("{} endpoints, over the policy's limits.max_endpoints ({max})", f.endpoints.len()),
+            ));
+        }
+        if let Some(m) = &f.metrics {
+            if m.cluster.is_empty() {
+                return Err(err("filter.metrics.cluster", "must not be empty"));
+            }
+            check_path("filter.metrics.path", &m.path)?;
+            let stale = self.policy.config().metrics.staleness_ms;
+            if m.interval_ms == 0 || m.interval_ms >= stale {
+                return Err(err(
+                    "filter.metrics.interval_ms",
+                    format!("{} must be within 1 .. the policy's metrics.staleness_ms ({stale})", m.interval_ms),
+                ));
+            }
+            if m.timeout() == 0 || m.timeout() > u64::from(u32::MAX) {
+                return Err(err("filter.metrics.timeout_ms", "must be within 1 .. 2^32-1"));
+            }
+            if m.lease() <= m.interval_ms {
+                return Err(err("filter.metrics.lease_ms", "must be longer than interval_ms"));
+            }
+        }
+        if let Some(e) = &f.events {
+            check_path("filter.events.path", &e.path)?;
+            if e.secret.len() < MIN_SECRET_BYTES {
+                return Err(err("filter.events.secret", format!("must be at least {MIN_SECRET_BYTES} bytes")));
+            }
+            if e.max_body_bytes == 0 {
+                return Err(err("filter.events.max_body_bytes", "must be positive"));
+            }
+        }
+        if let Some(p) = &f.stats_path {
+            check_path("filter.stats_path", p)?;
+            if f.events.as_ref().is_some_and(|e| &e.path == p) {
+                return Err(err("filter.stats_path", "must differ from filter.events.path"));
+            }
+        }
+        if !(100..=599).contains(&f.fail_open.reject_status) {
+            return Err(err("filter.fail_open.reject_status", "must be an HTTP status (100..599)"));
+        }
+        let s = &f.sync;
+        if s.namespace.is_empty() || s.namespace.len() > 64 || !s.namespace.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(err("filter.sync.namespace", "must be 1..64 printable ASCII characters"));
+        }
+        if !(MIN_RING_ENTRIES..=MAX_RING_ENTRIES).contains(&s.ring_entries) {
+            return Err(err(
+                "filter.sync.ring_entries",
+                format!("must be within {MIN_RING_ENTRIES}..{MAX_RING_ENTRIES}"),
+            ));
+        }
+        if s.tick_ms == 0 || s.tick_ms > 60_000 {
+            return Err(err("filter.sync.tick_ms", "must be within 1..60000"));
+        }
+        Ok(())
+    }
+}
+
+fn check_path(field: &str, p: &str) -> Result<(), ConfigError> {
+    if !p.starts_with('/') || p.bytes().any(|b| !b.is_ascii_graphic()) {
+        return Err(err(field, format!("{p:?} must be an absolute path without spaces")));
+    }
+    Ok(())
+}
+
+/// The path part of a `:path` value (without query string or fragment).
+pub fn path_only(path: &str) -> &str {
+    path.split(['?', '#']).next().unwrap_or(path)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const OK: &str = r#"{"filter": {"endpoints": [{"address": "10.0.0.1:8000", "role": "decode"}]}}"#;
+
+    #[test]
+    fn minimal_config_has_defaults() {
+        let c = PluginConfig::parse(OK.as_bytes()).unwrap();
+        assert_eq!(c.policy, Policy::default());
+        assert_eq!(c.filter.endpoints[0].role, Role::Decode);
+        assert!(c.filter.endpoints[0].healthy);
+        assert_eq!(c.filter.sync, SyncConfig::default());
+        assert!(c.filter.fail_open.enabled);
+        assert!(c.filter.metrics.is_none() && c.filter.events.is_none());
+    }
+
+    #[test]
+    fn policy_and_filter_sections_are_split() {
+        let text = r#"{"modes": {"decode_kv_ceiling": 0.7},
+            "filter": {"endpoints": [], "metrics": {"cluster": "c"},
+                       "events": {"path": "/ev", "secret": "0123456789abcdef"}}}"#;
+        let c = PluginConfig::parse(text.as_bytes()).unwrap();
+        assert_eq!(c.policy.config().modes.decode_kv_ceiling, 0.7);
+        let m = c.filter.metrics.unwrap();
+        assert_eq!((m.path.as_str(), m.interval_ms, m.timeout(), m.lease()), ("/metrics", 250, 250, 1000));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let bad = |text: &str, field: &str| {
+            let e = PluginConfig::parse(text.as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{text}: {e}");
+        };
+        bad("", ".");
+        bad("[1]", ".");
+        bad("{}", "filter");
+        bad(r#"{"filter": {"endpoints": [{"address": "nope", "role": "decode"}]}}"#, "filter.endpoints[0].address");
+        bad(r#"{"filter": {"endpoints": [{"address": "10.0.0.1:1", "role": "chef"}]}}"#, "filter.endpoints[0].role");
+        bad(
+            r#"{"filter": {"endpoints": [{"address": "10.0.0.1:1", "role": "decode"}, {"address": "10.0.0.1:1", "role": "both"}]}}"#,
+            "filter.endpoints[1].address",
+        );
+        bad(r#"{"filter": {"endpoints": [], "extra": 1}}"#, "filter.extra");
+        bad(r#"{"modes": {"decode_kv_ceiling": 7}, "filter": {"endpoints": []}}"#, "policy");
+        bad(r#"{"nonsense": 1, "filter": {"endpoints": []}}"#, "policy");
+        bad(
+            r#"{"filter": {"endpoints": [], "metrics": {"cluster": "c", "interval_ms": 5000}}}"#,
+            "filter.metrics.interval_ms",
+        );
+        bad(r#"{"filter": {"endpoints": [], "metrics": {"cluster": "c", "path": "metrics"}}}"#, "filter.metrics.path");
+        bad(r#"{"filter": {"endpoints": [], "events": {"path": "/e", "secret": "short"}}}"#, "filter.events.secret");
+        bad(r#"{"filter": {"endpoints": [], "sync": {"ring_entries": 2}}}"#, "filter.sync.ring_entries");
+        bad(r#"{"filter": {"endpoints": [], "sync": {"namespace": ""}}}"#, "filter.sync.namespace");
+        bad(r#"{"filter": {"endpoints": [], "fail_open": {"reject_status": 42}}}"#, "filter.fail_open.reject_status");
+    }
+
+    #[test]
+    fn path_only_strips_the_query() {
+        assert_eq!(path_only("/a/b?x=1"), "/a/b");
+        assert_eq!(path_only("/a"), "/a");
+    }
+}

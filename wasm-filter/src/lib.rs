@@ -1,0 +1,44 @@
+//! # kvroute-wasm
+//!
+//! The Envoy proxy-wasm HTTP filter of kvroute: KV-cache-aware routing inside the proxy. It is an
+//! adapter: every routing decision is made by the core ([`kvroute::Router`]); the filter
+//! buffers the request body, asks the core, and sets the destination headers Envoy's
+//! ORIGINAL_DST cluster follows (`x-gateway-destination-endpoint`, `x-prefiller-host-port`,
+//! `x-kvroute-mode`), or answers 429 when the core sheds.
+//!
+//! Around the core it adds what only a proxy can do:
+//! - [`config`]: the plugin configuration (the core policy JSON plus a `filter` section);
+//! - [`sync`]: a replicated log in shared data, so the per-worker VMs share routing state;
+//! - metric polling through HTTP callouts by one elected VM;
+//! - [`ingest`]: authenticated KV-event ingestion (batches POSTed by `kvroute-relay`);
+//! - [`fallback`]: fail-open routing when the core cannot decide.
+//!
+//! Build: `cargo build -p kvroute-wasm --target wasm32-wasip1 --profile wasm-release`, which
+//! writes `target/wasm32-wasip1/wasm-release/kvroute_filter.wasm`. `wasm-filter/README.md` is
+//! the operator guide; `wasm-filter/envoy.yaml` a complete Envoy configuration.
+//!
+//! The pure parts (configuration, log protocol, ingestion protocol, fallback, counters) build and
+//! are unit-tested natively; the proxy-wasm glue exists only on wasm32 and is tested through the
+//! wasmtime host in `wasm-filter/tests`.
+
+pub mod config;
+pub mod counters;
+pub mod fallback;
+pub mod ingest;
+pub mod sync;
+
+#[cfg(target_arch = "wasm32")]
+mod filter;
+
+/// The module's entry point (`_initialize`, run by the host once per VM): registers the root
+/// context factory.
+#[cfg(target_arch = "wasm32")]
+mod entry {
+    #![allow(missing_docs)]
+    proxy_wasm::main! {{
+        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+        proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
+            Box::new(super::filter::Root::new())
+        });
+    }}
+}

@@ -1,0 +1,675 @@
+//! The replicated log the worker VMs share: a bounded ring of entries in proxy-wasm shared data.
+//!
+//! Envoy runs one VM per worker thread; each has its own [`kvroute::Router`]. Every state change
+//! one VM makes (a routing decision's effects, a completion, a metrics snapshot, an event batch, a
+//! stream resync) is appended to the log, and every VM applies the entries it has not seen
+//! before each routing decision and on each tick. `wasm-filter/README.md` explains the choice;
+//! this module is the protocol, written against [`SharedStore`] so it is tested natively.
+//!
+//! # Keys (all under the configured namespace `ns` and ring size `N`)
+//! - `ns/rN/head`: the next sequence number (u64 LE). A writer claims sequence `s` by a
+//!   compare-and-swap of `head` from `s` to `s + 1`, then stores its entry at `ns/rN/e/{s % N}`.
+//! - An entry starts with its own sequence number, so a reader tells a slot that still holds an
+//!   older lap (`stored < s`: written later, pending) from one already overwritten by a newer lap
+//!   (`stored > s`: the reader fell more than `N` entries behind: an overrun).
+//! - `kvroute/instances`: a counter giving every router instance (root context) a unique id;
+//!   entries carry their writer's id so a VM skips its own.
+//! - `ns/rN/poller`: the metric-polling lease (holder id, expiry).
+//!
+//! # Guarantees
+//! - Every entry is applied at most once per VM, in sequence order, by every VM but its writer.
+//! - A VM that applies the log before deciding sees every entry whose append completed before
+//!   it read `head` (sequential requests on different VMs see each other's effects).
+//! - Pending slots (claimed, not yet written: another worker thread is between its two shared
+//!   data calls) stop the reader until written or [`PENDING_SKIP_MS`] has passed (then skipped
+//!   and counted as lost).
+//! - Overruns are detected, counted and skipped to the oldest retained entry.
+
+/// A pending (claimed but unwritten) slot is skipped after this long (ms).
+pub const PENDING_SKIP_MS: u64 = 1_000;
+/// A claim gives up after this many compare-and-swap conflicts in a row.
+pub const MAX_CAS_ATTEMPTS: u32 = 64;
+/// Key of the instance-id counter.
+pub const INSTANCES_KEY: &str = "kvroute/instances";
+
+const VERSION: u8 = 1;
+const HEADER: usize = 1 + 8 + 8 + 1;
+
+/// A shared-data operation failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// The compare-and-swap token no longer matches (another VM wrote the key).
+    CasMismatch,
+    /// The host refused the call.
+    Host(String),
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::CasMismatch => f.write_str("shared data CAS mismatch"),
+            StoreError::Host(s) => write!(f, "shared data: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// Key/value storage with compare-and-swap, shared by the VMs (proxy-wasm shared data).
+pub trait SharedStore {
+    /// Value and CAS token of `key` (`None` when absent).
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError>;
+    /// Store `value`; with `Some(cas)`, only if the key's token still is `cas`.
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+/// How the writer's router judged an event batch (so that readers can tell when their own
+/// judgment diverges, see the README's fallback).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerdictCode {
+    /// Applied.
+    Applied,
+    /// Duplicate, ignored.
+    Duplicate,
+    /// Gap, not applied.
+    Gap,
+    /// Publisher restart, applied.
+    Reset,
+}
+
+impl VerdictCode {
+    /// From the core's verdict.
+    pub fn of(v: &kvroute::StreamVerdict) -> VerdictCode {
+        match v {
+            kvroute::StreamVerdict::Applied => VerdictCode::Applied,
+            kvroute::StreamVerdict::Duplicate => VerdictCode::Duplicate,
+            kvroute::StreamVerdict::Gap { .. } => VerdictCode::Gap,
+            kvroute::StreamVerdict::Reset => VerdictCode::Reset,
+        }
+    }
+
+    fn byte(self) -> u8 {
+        match self {
+            VerdictCode::Applied => 0,
+            VerdictCode::Duplicate => 1,
+            VerdictCode::Gap => 2,
+            VerdictCode::Reset => 3,
+        }
+    }
+
+    fn from_byte(b: u8) -> Option<VerdictCode> {
+        Some(match b {
+            0 => VerdictCode::Applied,
+            1 => VerdictCode::Duplicate,
+            2 => VerdictCode::Gap,
+            3 => VerdictCode::Reset,
+            _ => return None,
+        })
+    }
+}
+
+/// One log entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry<'a> {
+    /// A routing decision's effects (`kvroute::RoutingEffect::encode`).
+    Effect(&'a [u8]),
+    /// The request with this id (as its writer's router knows it) completed.
+    Complete(&'a str),
+    /// A metrics snapshot of `endpoint` (`kvroute::MetricsSnapshot` as JSON).
+    Metrics {
+        /// Endpoint id.
+        endpoint: &'a str,
+        /// The snapshot, JSON.
+        snapshot: &'a [u8],
+    },
+    /// An engine KV-event batch, as ingested.
+    Events {
+        /// Endpoint id.
+        endpoint: &'a str,
+        /// Publisher sequence number.
+        seq: Option<u64>,
+        /// Ingestion time (ms).
+        now_ms: u64,
+        /// The writer's verdict.
+        verdict: VerdictCode,
+        /// The raw msgpack payload.
+        payload: &'a [u8],
+    },
+    /// The endpoint's event stream was resynchronized.
+    Resync {
+        /// Endpoint id.
+        endpoint: &'a str,
+        /// Time (ms).
+        now_ms: u64,
+    },
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    let n = u16::try_from(s.len()).unwrap_or(u16::MAX);
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(&s.as_bytes()[..usize::from(n)]);
+}
+
+fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    if b.len() < n {
+        return None;
+    }
+    let (head, rest) = b.split_at(n);
+    *b = rest;
+    Some(head)
+}
+
+fn take_u64(b: &mut &[u8]) -> Option<u64> {
+    let s = take(b, 8)?;
+    let mut a = [0u8; 8];
+    a.copy_from_slice(s);
+    Some(u64::from_le_bytes(a))
+}
+
+fn take_str<'a>(b: &mut &'a [u8]) -> Option<&'a str> {
+    let n = take(b, 2)?;
+    let n = usize::from(u16::from_le_bytes([n[0], n[1]]));
+    std::str::from_utf8(take(b, n)?).ok()
+}
+
+impl Entry<'_> {
+    fn kind(&self) -> u8 {
+        match self {
+            Entry::Effect(_) => 1,
+            Entry::Complete(_) => 2,
+            Entry::Metrics { .. } => 3,
+            Entry::Events { .. } => 4,
+            Entry::Resync { .. } => 5,
+        }
+    }
+
+    /// The stored form: header (version, sequence, origin, kind) and body.
+    pub fn encode(&self, seq: u64, origin: u64) -> Vec<u8> {
+        let body_len = match self {
+            Entry::Effect(b) => b.len(),
+            Entry::Complete(s) => s.len(),
+            Entry::Metrics { endpoint, snapshot } => 2 + endpoint.len() + snapshot.len(),
+            Entry::Events { endpoint, payload, .. } => 2 + endpoint.len() + 18 + payload.len(),
+            Entry::Resync { endpoint, .. } => 2 + endpoint.len() + 8,
+        };
+        let mut out = Vec::with_capacity(HEADER + body_len);
+        out.push(VERSION);
+        out.extend_from_slice(&seq.to_le_bytes());
+        out.extend_from_slice(&origin.to_le_bytes());
+        out.push(self.kind());
+        match self {
+            Entry::Effect(b) => out.extend_from_slice(b),
+            Entry::Complete(s) => out.extend_from_slice(s.as_bytes()),
+            Entry::Metrics { endpoint, snapshot } => {
+                put_str(&mut out, endpoint);
+                out.extend_from_slice(snapshot);
+            }
+            Entry::Events { endpoint, seq, now_ms, verdict, payload } => {
+                put_str(&mut out, endpoint);
+                out.push(u8::from(seq.is_some()));
+                out.extend_from_slice(&seq.unwrap_or(0).to_le_bytes());
+                out.extend_from_slice(&now_ms.to_le_bytes());
+                out.push(verdict.byte());
+                out.extend_from_slice(payload);
+            }
+            Entry::Resync { endpoint, now_ms } => {
+                put_str(&mut out, endpoint);
+                out.extend_from_slice(&now_ms.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// The sequence number a stored entry claims (`None` when the bytes are no entry).
+    pub fn stored_seq(bytes: &[u8]) -> Option<u64> {
+        let mut b = bytes;
+        (take(&mut b, 1)? == [VERSION]).then_some(())?;
+        take_u64(&mut b)
+    }
+
+    /// Read a stored entry: (sequence, origin, entry). `None` when malformed.
+    pub fn decode(bytes: &[u8]) -> Option<(u64, u64, Entry<'_>)> {
+        let mut b = bytes;
+        if take(&mut b, 1)? != [VERSION] {
+            return None;
+        }
+        let seq = take_u64(&mut b)?;
+        let origin = take_u64(&mut b)?;
+        let kind = take(&mut b, 1)?[0];
+        let entry = match kind {
+            1 => Entry::Effect(b),
+            2 => Entry::Complete(std::str::from_utf8(b).ok()?),
+            3 => {
+                let endpoint = take_str(&mut b)?;
+                Entry::Metrics { endpoint, snapshot: b }
+            }
+            4 => {
+                let endpoint = take_str(&mut b)?;
+                let has = take(&mut b, 1)?[0] != 0;
+                let s = take_u64(&mut b)?;
+                let now_ms = take_u64(&mut b)?;
+                let verdict = VerdictCode::from_byte(take(&mut b, 1)?[0])?;
+                Entry::Events { endpoint, seq: has.then_some(s), now_ms, verdict, payload: b }
+            }
+            5 => {
+                let endpoint = take_str(&mut b)?;
+                let now_ms = take_u64(&mut b)?;
+                if !b.is_empty() {
+                    return None;
+                }
+                Entry::Resync { endpoint, now_ms }
+            }
+            _ => return None,
+        };
+        Some((seq, origin, entry))
+    }
+}
+
+/// Counters of one VM's log traffic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    /// Entries of other instances applied.
+    pub applied: u64,
+    /// Entries appended.
+    pub appended: u64,
+    /// Overruns detected (the ring lapped this reader).
+    pub overruns: u64,
+    /// Entries lost to overruns or skipped as pending too long.
+    pub lost: u64,
+    /// Malformed slots skipped.
+    pub malformed: u64,
+    /// Shared-data calls that failed.
+    pub errors: u64,
+    /// Compare-and-swap conflicts while claiming.
+    pub cas_conflicts: u64,
+}
+
+fn read_u64(v: Option<&[u8]>) -> u64 {
+    v.and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
+}
+
+/// Claim a unique instance id (≥ 1) from the shared counter.
+pub fn claim_instance(store: &mut impl SharedStore) -> Result<u64, StoreError> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (v, cas) = store.get(INSTANCES_KEY)?;
+        let next = read_u64(v.as_deref()).wrapping_add(1).max(1);
+        match store.set(INSTANCES_KEY, &next.to_le_bytes(), cas) {
+            Ok(()) => return Ok(next),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// One VM's view of the log: its cursor and counters.
+#[derive(Debug)]
+pub struct SharedLog {
+    prefix: String,
+    head_key: String,
+    lease_key: String,
+    ring: u64,
+    instance: u64,
+    cursor: Option<u64>,
+    pending_since: Option<u64>,
+    /// `head` and its CAS token as the last poll read them: the next append tries them first
+    /// instead of reading `head` again (a stale hint only costs one CAS conflict).
+    head_hint: Option<(u64, u32)>,
+    /// Counters.
+    pub stats: SyncStats,
+}
+
+impl SharedLog {
+    /// The log of namespace `ns` with `ring` slots, read and written by `instance`.
+    pub fn new(ns: &str, ring: u32, instance: u64) -> SharedLog {
+        let prefix = format!("{ns}/r{ring}/");
+        SharedLog {
+            head_key: format!("{prefix}head"),
+            lease_key: format!("{prefix}poller"),
+            prefix,
+            ring: u64::from(ring.max(1)),
+            instance,
+            cursor: None,
+            pending_since: None,
+            head_hint: None,
+            stats: SyncStats::default(),
+        }
+    }
+
+    /// This reader's instance id.
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+
+    /// The next sequence number this reader will apply (`None` before the first poll).
+    pub fn cursor(&self) -> Option<u64> {
+        self.cursor
+    }
+
+    fn slot_key(&self, seq: u64) -> String {
+        format!("{}e/{}", self.prefix, seq % self.ring)
+    }
+
+    fn head(&mut self, store: &mut impl SharedStore) -> Result<(u64, Option<u32>), StoreError> {
+        let (v, cas) = store.get(&self.head_key).inspect_err(|_| self.stats.errors += 1)?;
+        Ok((read_u64(v.as_deref()), cas))
+    }
+
+    /// Append `entry`; returns its sequence number.
+    pub fn append(&mut self, store: &mut impl SharedStore, entry: &Entry<'_>) -> Result<u64, StoreError> {
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (seq, cas) = match self.head_hint.take() {
+                Some((seq, cas)) => (seq, Some(cas)),
+                None => self.head(store)?,
+            };
+            match store.set(&self.head_key, &(seq + 1).to_le_bytes(), cas) {
+                Ok(()) => {
+                    let bytes = entry.encode(seq, self.instance);
+                    store.set(&self.slot_key(seq), &bytes, None).inspect_err(|_| self.stats.errors += 1)?;
+                    self.stats.appended += 1;
+                    // Caught up to our own entry: no need to read it back.
+                    if self.cursor == Some(seq) {
+                        self.cursor = Some(seq + 1);
+                    }
+                    return Ok(seq);
+                }
+                Err(StoreError::CasMismatch) => self.stats.cas_conflicts += 1,
+                Err(e) => {
+                    self.stats.errors += 1;
+                    return Err(e);
+                }
+            }
+        }
+        Err(StoreError::CasMismatch)
+    }
+
+    /// Apply every entry of other instances this reader has not seen yet, in order, with
+    /// `apply(origin, entry)`. The first call starts at the oldest entry the ring retains.
+    /// Returns the number of entries applied.
+    pub fn poll(
+        &mut self,
+        store: &mut impl SharedStore,
+        now_ms: u64,
+        mut apply: impl FnMut(u64, Entry<'_>),
+    ) -> Result<u64, StoreError> {
+        let (head, head_cas) = self.head(store)?;
+        self.head_hint = head_cas.map(|cas| (head, cas));
+        let mut cursor = match self.cursor {
+            Some(c) if c <= head => c,
+            // First poll, or the shared data was reset under us: start from what is retained.
+            _ => head.saturating_sub(self.ring),
+        };
+        let mut applied = 0;
+        while cursor < head {
+            let value = match store.get(&self.slot_key(cursor)) {
+                Ok((v, _)) => v,
+                Err(e) => {
+                    self.stats.errors += 1;
+                    self.cursor = Some(cursor);
+                    return Err(e);
+                }
+            };
+            match value.as_deref().and_then(Entry::stored_seq) {
+                Some(s) if s == cursor => {
+                    self.pending_since = None;
+                    match value.as_deref().and_then(Entry::decode) {
+                        Some((_, origin, entry)) => {
+                            if origin != self.instance {
+                                apply(origin, entry);
+                                self.stats.applied += 1;
+                                applied += 1;
+                            }
+                        }
+                        None => self.stats.malformed += 1,
+                    }
+                    cursor += 1;
+                }
+                Some(s) if s > cursor => {
+                    // Lapped: everything before `head - ring` (or `s + 1 - ring`) is gone.
+                    let resume = (s + 1).max(head).saturating_sub(self.ring).max(cursor + 1);
+                    self.stats.overruns += 1;
+                    self.stats.lost += resume - cursor;
+                    self.pending_since = None;
+                    cursor = resume;
+                }
+                // Not written yet (absent, or an older lap): another worker is between its claim
+                // and its write. Wait, but not forever.
+                _ => {
+                    let since = *self.pending_since.get_or_insert(now_ms);
+                    if now_ms.saturating_sub(since) < PENDING_SKIP_MS {
+                        break;
+                    }
+                    self.pending_since = None;
+                    self.stats.lost += 1;
+                    cursor += 1;
+                }
+            }
+        }
+        self.cursor = Some(cursor);
+        Ok(applied)
+    }
+
+    /// Take or renew the metric-polling lease for `lease_ms`; true when this instance holds it.
+    pub fn try_lease(&mut self, store: &mut impl SharedStore, now_ms: u64, lease_ms: u64) -> Result<bool, StoreError> {
+        let (v, cas) = store.get(&self.lease_key).inspect_err(|_| self.stats.errors += 1)?;
+        let (holder, expires) = match v.as_deref() {
+            Some(b) if b.len() == 16 => (read_u64(Some(&b[..8])), read_u64(Some(&b[8..]))),
+            _ => (0, 0),
+        };
+        // A clock that went back by more than a lease (a test clock) must not freeze the holder.
+        let expired = now_ms >= expires || expires - now_ms > lease_ms;
+        if holder != self.instance && !expired {
+            return Ok(false);
+        }
+        let mut value = [0u8; 16];
+        value[..8].copy_from_slice(&self.instance.to_le_bytes());
+        value[8..].copy_from_slice(&now_ms.saturating_add(lease_ms).to_le_bytes());
+        match store.set(&self.lease_key, &value, cas) {
+            Ok(()) => Ok(true),
+            Err(StoreError::CasMismatch) => Ok(false),
+            Err(e) => {
+                self.stats.errors += 1;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The id under which a mirror tracks another instance's request: qualified by the origin, so
+/// equal ids from different VMs (client-supplied or generated) never collide. Starts with a
+/// control character no HTTP header value can carry.
+pub fn mirror_request_id(origin: u64, id: &str) -> String {
+    format!("\u{1}{origin:x}\u{1}{id}")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Shared data as Envoy implements it: a CAS token per key, bumped on every write.
+    #[derive(Default)]
+    struct Mem {
+        map: HashMap<String, (Vec<u8>, u32)>,
+        next: u32,
+    }
+
+    impl SharedStore for Mem {
+        fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+            Ok(self.map.get(key).map_or((None, None), |(v, c)| (Some(v.clone()), Some(*c))))
+        }
+        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if let (Some(c), Some((_, cur))) = (cas, self.map.get(key)) {
+                if c != *cur {
+                    return Err(StoreError::CasMismatch);
+                }
+            }
+            self.next += 1;
+            self.map.insert(key.to_owned(), (value.to_vec(), self.next));
+            Ok(())
+        }
+    }
+
+    fn collect(log: &mut SharedLog, mem: &mut Mem, now: u64) -> Vec<(u64, String)> {
+        let mut out = Vec::new();
+        log.poll(mem, now, |o, e| out.push((o, format!("{e:?}")))).unwrap();
+        out
+    }
+
+    #[test]
+    fn entries_round_trip() {
+        let entries = [
+            Entry::Effect(&[1, 2, 3]),
+            Entry::Complete("req-1"),
+            Entry::Metrics { endpoint: "10.0.0.1:8000", snapshot: b"{}" },
+            Entry::Events {
+                endpoint: "10.0.0.1:8000",
+                seq: Some(7),
+                now_ms: 9,
+                verdict: VerdictCode::Gap,
+                payload: &[0x93],
+            },
+            Entry::Events { endpoint: "e", seq: None, now_ms: 0, verdict: VerdictCode::Reset, payload: &[] },
+            Entry::Resync { endpoint: "10.0.0.1:8000", now_ms: 5 },
+        ];
+        for e in entries {
+            let b = e.encode(42, 3);
+            assert_eq!(Entry::stored_seq(&b), Some(42));
+            assert_eq!(Entry::decode(&b), Some((42, 3, e.clone())));
+            for cut in 0..HEADER {
+                assert!(Entry::decode(&b[..cut]).is_none());
+            }
+        }
+        assert!(Entry::decode(&[9; 30]).is_none());
+    }
+
+    /// Counts the reads of each key.
+    #[derive(Default)]
+    struct Counting(Mem, HashMap<String, u32>);
+
+    impl SharedStore for Counting {
+        fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+            *self.1.entry(key.to_owned()).or_default() += 1;
+            self.0.get(key)
+        }
+        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn an_append_after_a_poll_reuses_the_head_it_read_and_a_stale_one_only_costs_a_retry() {
+        let mut mem = Counting::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        let mut b = SharedLog::new("ns", 16, 2);
+        a.append(&mut mem, &Entry::Complete("first")).unwrap();
+        let reads = |m: &Counting| m.1.get("ns/r16/head").copied().unwrap_or(0);
+        a.poll(&mut mem, 0, |_, _| {}).unwrap();
+        let before = reads(&mem);
+        assert_eq!(a.append(&mut mem, &Entry::Complete("hinted")).unwrap(), 1);
+        assert_eq!(reads(&mem), before, "no second read of head");
+        // Stale: b appends between a's poll and a's append.
+        a.poll(&mut mem, 0, |_, _| {}).unwrap();
+        assert_eq!(b.append(&mut mem, &Entry::Complete("b")).unwrap(), 2);
+        assert_eq!(a.append(&mut mem, &Entry::Complete("a")).unwrap(), 3);
+        assert_eq!(a.stats.cas_conflicts, 1);
+        let mut c = SharedLog::new("ns", 16, 3);
+        let mut seen = Vec::new();
+        c.poll(&mut mem, 0, |_, e| seen.push(format!("{e:?}"))).unwrap();
+        assert_eq!(seen, ["Complete(\"first\")", "Complete(\"hinted\")", "Complete(\"b\")", "Complete(\"a\")"]);
+    }
+
+    #[test]
+    fn readers_apply_other_instances_entries_once_in_order() {
+        let mut mem = Mem::default();
+        let mut a = SharedLog::new("ns", 16, claim_instance(&mut mem).unwrap());
+        let mut b = SharedLog::new("ns", 16, claim_instance(&mut mem).unwrap());
+        assert_ne!(a.instance(), b.instance());
+        assert!(collect(&mut a, &mut mem, 0).is_empty());
+        assert!(collect(&mut b, &mut mem, 0).is_empty());
+        a.append(&mut mem, &Entry::Complete("x")).unwrap();
+        b.append(&mut mem, &Entry::Complete("y")).unwrap();
+        a.append(&mut mem, &Entry::Complete("z")).unwrap();
+        let seen_by_b = collect(&mut b, &mut mem, 0);
+        assert_eq!(
+            seen_by_b.iter().map(|(_, e)| e.as_str()).collect::<Vec<_>>(),
+            ["Complete(\"x\")", "Complete(\"z\")"]
+        );
+        assert!(seen_by_b.iter().all(|(o, _)| *o == a.instance()));
+        assert_eq!(collect(&mut a, &mut mem, 0).len(), 1, "a sees y only");
+        assert!(collect(&mut a, &mut mem, 0).is_empty() && collect(&mut b, &mut mem, 0).is_empty());
+        assert_eq!((a.stats.appended, a.stats.applied, b.stats.applied), (2, 1, 2));
+    }
+
+    #[test]
+    fn a_new_reader_starts_at_the_oldest_retained_entry() {
+        let mut mem = Mem::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        for i in 0..20 {
+            a.append(&mut mem, &Entry::Complete(&i.to_string())).unwrap();
+        }
+        let mut late = SharedLog::new("ns", 16, 2);
+        let got = collect(&mut late, &mut mem, 0);
+        assert_eq!(got.len(), 16);
+        assert_eq!(got[0].1, "Complete(\"4\")");
+        assert_eq!(late.stats.lost, 0);
+    }
+
+    #[test]
+    fn overruns_are_detected_and_skipped() {
+        let mut mem = Mem::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        let mut b = SharedLog::new("ns", 16, 2);
+        assert!(collect(&mut b, &mut mem, 0).is_empty());
+        for i in 0..40 {
+            a.append(&mut mem, &Entry::Complete(&i.to_string())).unwrap();
+        }
+        let got = collect(&mut b, &mut mem, 0);
+        assert_eq!(b.stats.overruns, 1);
+        assert_eq!(b.stats.lost, 24);
+        assert_eq!(got.first().unwrap().1, "Complete(\"24\")");
+        assert_eq!(got.len(), 16);
+        assert_eq!(b.cursor(), Some(40));
+    }
+
+    #[test]
+    fn pending_slots_wait_then_are_skipped() {
+        let mut mem = Mem::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        let mut b = SharedLog::new("ns", 16, 2);
+        assert!(collect(&mut b, &mut mem, 0).is_empty());
+        // A writer claimed seq 0 but has not written it yet; seq 1 is written.
+        mem.set("ns/r16/head", &1u64.to_le_bytes(), None).unwrap();
+        a.append(&mut mem, &Entry::Complete("one")).unwrap();
+        assert!(collect(&mut b, &mut mem, 100).is_empty(), "waits for seq 0");
+        assert!(collect(&mut b, &mut mem, 100 + PENDING_SKIP_MS - 1).is_empty());
+        let got = collect(&mut b, &mut mem, 100 + PENDING_SKIP_MS);
+        assert_eq!(got.len(), 1);
+        assert_eq!(b.stats.lost, 1);
+        // A pending slot that gets written in time is applied.
+        mem.set("ns/r16/head", &3u64.to_le_bytes(), None).unwrap();
+        assert!(collect(&mut b, &mut mem, 5000).is_empty());
+        mem.set("ns/r16/e/2", &Entry::Complete("two").encode(2, 1), None).unwrap();
+        assert_eq!(collect(&mut b, &mut mem, 5001).len(), 1, "seq 2 now written");
+    }
+
+    #[test]
+    fn the_lease_has_one_holder_until_it_expires() {
+        let mut mem = Mem::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        let mut b = SharedLog::new("ns", 16, 2);
+        assert!(a.try_lease(&mut mem, 0, 100).unwrap());
+        assert!(!b.try_lease(&mut mem, 50, 100).unwrap());
+        assert!(a.try_lease(&mut mem, 60, 100).unwrap(), "renewed");
+        assert!(!b.try_lease(&mut mem, 150, 100).unwrap());
+        assert!(b.try_lease(&mut mem, 160, 100).unwrap(), "expired: taken over");
+        assert!(!a.try_lease(&mut mem, 170, 100).unwrap());
+    }
+
+    #[test]
+    fn mirror_ids_are_qualified() {
+        assert_ne!(mirror_request_id(1, "abc"), mirror_request_id(2, "abc"));
+        assert!(mirror_request_id(1, "abc").ends_with("abc"));
+    }
+}

@@ -1,0 +1,395 @@
+//! Helpers for the kvroute filter's tests and bench in the wasmtime test host
+//! ([`kvroute_wasm_host`]): plugin configurations, metric pages served by a test cluster, request
+//! and event-post drivers, the stats page, and the golden decision view.
+//!
+//! The filter is loaded with [`Host::load_kvroute_filter`] (it builds
+//! `kvroute_filter.wasm` with `--profile wasm-release` when needed).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+pub use kvroute_wasm_host::{
+    CalloutReply, CalloutRequest, HeaderMap, Host, HostError, HttpMessage, LocalReply, Plugin, Stream, StreamId,
+    VmConfig, VmId,
+};
+use serde_json::{json, Map, Value};
+
+/// The ORIGINAL_DST cluster the filter polls metrics through (as in `wasm-filter/envoy.yaml`).
+pub const CLUSTER: &str = "kvroute_endpoints";
+/// The event path.
+pub const EVENTS_PATH: &str = "/kvroute/v1/events";
+/// The stats path.
+pub const STATS_PATH: &str = "/kvroute/v1/stats";
+/// The shared secret.
+pub const SECRET: &str = "test-secret-0123456789";
+/// Envoy `vm_id` of every VM (they share shared data).
+pub const VM_ID: &str = "kvroute";
+/// Header with the decision JSON (the filter's `debug_decision_header`).
+pub const DECISION: &str = kvroute_filter::config::HEADER_DECISION;
+/// Header with the destination.
+pub const DESTINATION: &str = kvroute::decision::HEADER_DESTINATION;
+
+/// Metric pages the test cluster serves, by endpoint (`:authority` of the poll): a page set with
+/// [`Pages::once`] answers one poll, [`Pages::always`] every poll; endpoints without a page
+/// answer 503.
+#[derive(Clone, Default)]
+pub struct Pages(Rc<RefCell<HashMap<String, (String, bool)>>>);
+
+impl Pages {
+    /// Serve `text` to the next poll of `endpoint`.
+    pub fn once(&self, endpoint: &str, text: impl Into<String>) {
+        self.0.borrow_mut().insert(endpoint.to_owned(), (text.into(), false));
+    }
+
+    /// Serve `text` to every poll of `endpoint`.
+    pub fn always(&self, endpoint: &str, text: impl Into<String>) {
+        self.0.borrow_mut().insert(endpoint.to_owned(), (text.into(), true));
+    }
+
+    /// Forget every page.
+    pub fn clear(&self) {
+        self.0.borrow_mut().clear();
+    }
+
+    /// The cluster's answer to a poll.
+    pub fn answer(&self, req: &CalloutRequest) -> CalloutReply {
+        let ep = req.headers.get(":authority").unwrap_or_default().to_owned();
+        let mut pages = self.0.borrow_mut();
+        match pages.get(&ep).cloned() {
+            Some((text, keep)) => {
+                if !keep {
+                    pages.remove(&ep);
+                }
+                CalloutReply::ok(text)
+            }
+            None => CalloutReply::status(503),
+        }
+    }
+}
+
+/// A host whose clock starts at `start_ms` (milliseconds) with the metrics cluster serving `pages`.
+pub fn host_at(start_ms: u64, pages: &Pages) -> Result<Host, HostError> {
+    let p = pages.clone();
+    Host::builder().start_time_ns(start_ms * 1_000_000).cluster(CLUSTER, move |req| p.answer(req)).build()
+}
+
+/// A host at the default start time (a realistic UNIX time).
+pub fn host(pages: &Pages) -> Result<Host, HostError> {
+    let p = pages.clone();
+    Host::builder().cluster(CLUSTER, move |req| p.answer(req)).build()
+}
+
+/// The host's clock in milliseconds.
+pub fn now_ms(host: &Host) -> u64 {
+    host.now_ns() / 1_000_000
+}
+
+/// A plugin configuration: `policy` (a policy document) plus a `filter` section listing
+/// `endpoints` (address, role), with metric polling through [`CLUSTER`] every 100 ms, event
+/// ingestion at [`EVENTS_PATH`], the stats path and the decision header, then `extra` merged in
+/// (its keys replace the defaults; `null` removes one).
+pub fn plugin_config(policy: &Value, endpoints: &[(&str, &str)], extra: &Value) -> String {
+    let mut filter = json!({
+        "endpoints": endpoints.iter().map(|(a, r)| json!({"address": a, "role": r})).collect::<Vec<_>>(),
+        "metrics": {"cluster": CLUSTER, "interval_ms": 100},
+        "events": {"path": EVENTS_PATH, "secret": SECRET},
+        "stats_path": STATS_PATH,
+        "debug_decision_header": true,
+    });
+    if let (Some(f), Some(x)) = (filter.as_object_mut(), extra.as_object()) {
+        for (k, v) in x {
+            if v.is_null() {
+                f.remove(k);
+            } else {
+                f.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    let mut doc = policy.as_object().cloned().unwrap_or_default();
+    doc.insert("filter".into(), filter);
+    Value::Object(doc).to_string()
+}
+
+/// A VM configuration like `wasm-filter/envoy.yaml`'s (vm_id, root_id, plugin name).
+pub fn vm_config(plugin_configuration: &str) -> VmConfig {
+    VmConfig::new()
+        .vm_id(VM_ID)
+        .root_id("kvroute")
+        .plugin_name("kvroute")
+        .plugin_configuration(plugin_configuration.as_bytes().to_vec())
+}
+
+/// `/v1/chat/completions` for a body with `messages`, else `/v1/completions` (as a client would).
+pub fn api_path(body: &[u8]) -> &'static str {
+    let chat = serde_json::from_slice::<Value>(body).ok().is_some_and(|v| v.get("messages").is_some());
+    if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    }
+}
+
+/// Send a request (headers, then the whole body with end of stream) on a new stream of `vm`;
+/// the stream stays open (finish it with [`Host::finish_stream`] to complete the request).
+pub fn send(host: &mut Host, vm: VmId, body: &[u8], headers: &[(&str, &str)]) -> Result<StreamId, HostError> {
+    let s = host.new_stream(vm)?;
+    let mut h: Vec<(&str, &str)> =
+        vec![(":method", "POST"), (":path", api_path(body)), (":authority", "llm.local"), (":scheme", "http")];
+    h.push(("content-type", "application/json"));
+    h.extend_from_slice(headers);
+    host.send_request_headers(s, h, body.is_empty())?;
+    if !body.is_empty() {
+        host.send_request_body(s, body, true)?;
+    }
+    Ok(s)
+}
+
+/// What became of a request.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The local reply's status, when the filter answered itself.
+    pub local_status: Option<u32>,
+    /// The local reply's headers (empty otherwise).
+    pub local_headers: HeaderMap,
+    /// The headers that went upstream (`None` when the request did not go).
+    pub upstream: Option<HeaderMap>,
+    /// The decision JSON (`x-kvroute-decision`), from upstream headers or the local reply.
+    pub decision: Option<Value>,
+}
+
+impl Outcome {
+    /// The upstream destination.
+    pub fn destination(&self) -> Option<&str> {
+        self.upstream.as_ref().and_then(|h| h.get(DESTINATION))
+    }
+
+    /// An upstream header.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.upstream.as_ref().and_then(|h| h.get(name))
+    }
+
+    /// The decision's request id.
+    pub fn request_id(&self) -> Option<&str> {
+        self.decision.as_ref().and_then(|d| d["request_id"].as_str())
+    }
+}
+
+/// Read a stream's outcome.
+pub fn outcome(s: &Stream) -> Outcome {
+    let local = s.local_reply();
+    let upstream = s.upstream_headers().cloned();
+    let raw = upstream
+        .as_ref()
+        .and_then(|h| h.get(DECISION).map(str::to_owned))
+        .or_else(|| local.and_then(|l| l.headers.get(DECISION).map(str::to_owned)));
+    Outcome {
+        local_status: local.map(|l| l.status),
+        local_headers: local.map(|l| l.headers.clone()).unwrap_or_default(),
+        upstream,
+        decision: raw.and_then(|r| serde_json::from_str(&r).ok()),
+    }
+}
+
+/// Send a request and read its outcome (the stream stays open).
+pub fn route(
+    host: &mut Host,
+    vm: VmId,
+    body: &[u8],
+    headers: &[(&str, &str)],
+) -> Result<(StreamId, Outcome), HostError> {
+    let s = send(host, vm, body, headers)?;
+    let o = outcome(host.stream(s)?);
+    Ok((s, o))
+}
+
+/// A local answer: status and JSON body (`Null` when not JSON).
+pub fn answer(s: &Stream) -> (u32, Value) {
+    match s.local_reply() {
+        Some(l) => (l.status, serde_json::from_slice(&l.body).unwrap_or(Value::Null)),
+        None => (0, Value::Null),
+    }
+}
+
+/// POST an event batch (`seq` None: no sequence header) to `vm`'s event path with `secret`.
+pub fn post_events(
+    host: &mut Host,
+    vm: VmId,
+    endpoint: &str,
+    seq: Option<u64>,
+    payload: &[u8],
+    secret: &str,
+) -> Result<(u32, Value), HostError> {
+    let seq_text = seq.map(|s| s.to_string());
+    let mut h: Vec<(&str, &str)> = vec![
+        (":method", "POST"),
+        (":path", EVENTS_PATH),
+        (":authority", "llm.local"),
+        (":scheme", "http"),
+        ("x-kvroute-secret", secret),
+        ("x-kvroute-endpoint", endpoint),
+        ("x-kvroute-topic", "kv-events"),
+    ];
+    if let Some(s) = &seq_text {
+        h.push(("x-kvroute-seq", s));
+    }
+    let st = host.round_trip(vm, &HttpMessage::new(h, payload.to_vec()), None)?;
+    Ok(answer(&st))
+}
+
+/// POST a resync notice for `endpoint`.
+pub fn post_resync(host: &mut Host, vm: VmId, endpoint: &str) -> Result<(u32, Value), HostError> {
+    let h = [
+        (":method", "POST"),
+        (":path", EVENTS_PATH),
+        (":authority", "llm.local"),
+        ("x-kvroute-secret", SECRET),
+        ("x-kvroute-endpoint", endpoint),
+        ("x-kvroute-kind", "resync"),
+    ];
+    let st = host.round_trip(vm, &HttpMessage::new(h, Vec::new()), None)?;
+    Ok(answer(&st))
+}
+
+/// The stats page of `vm` (the router's metrics and the filter's counters as that VM sees them).
+pub fn stats(host: &mut Host, vm: VmId) -> Result<String, HostError> {
+    let h = [(":method", "GET"), (":path", STATS_PATH), (":authority", "llm.local")];
+    let st = host.round_trip(vm, &HttpMessage::new(h, Vec::new()), None)?;
+    Ok(st.local_reply().map(|l| String::from_utf8_lossy(&l.body).into_owned()).unwrap_or_default())
+}
+
+/// The value of the sample `series` (name with its labels, as written) in a stats page.
+pub fn stat(page: &str, series: &str) -> Option<f64> {
+    page.lines().find_map(|l| {
+        l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// A vLLM metrics page with these figures (the golden fixtures' `metrics` objects: `waiting`,
+/// `running`, `kv_usage`, optional `lora_running`, `lora_waiting`, `max_lora`).
+pub fn prometheus(m: &Value) -> String {
+    let n = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let mut page =
+        String::from("# HELP vllm:num_requests_waiting Requests waiting.\n# TYPE vllm:num_requests_waiting gauge\n");
+    page += &format!("vllm:num_requests_waiting{{model_name=\"m\"}} {}\n", n("waiting"));
+    page += &format!("vllm:num_requests_running{{model_name=\"m\"}} {}\n", n("running"));
+    page += &format!("vllm:kv_cache_usage_perc{{model_name=\"m\"}} {}\n", n("kv_usage"));
+    let list = |k: &str| {
+        m.get(k)
+            .and_then(Value::as_array)
+            .map_or(String::new(), |a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(","))
+    };
+    let has_lora = ["lora_running", "lora_waiting", "max_lora"].iter().any(|k| m.get(*k).is_some_and(|v| !v.is_null()));
+    if has_lora {
+        let max = m.get("max_lora").and_then(Value::as_u64).map(|x| format!("max_lora=\"{x}\","));
+        page += &format!(
+            "vllm:lora_requests_info{{{}running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} 1.0\n",
+            max.unwrap_or_default(),
+            list("lora_running"),
+            list("lora_waiting")
+        );
+    }
+    page
+}
+
+/// The golden fixtures' decision view (fixtures/golden/README.md) of a decision JSON as the
+/// filter reports it (`kvroute::Decision` serialized).
+pub fn view(d: &Value) -> Value {
+    let headers: Map<String, Value> = d["headers"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|p| Some((p.get(0)?.as_str()?.to_owned(), p.get(1)?.clone()))).collect())
+        .unwrap_or_default();
+    let ids: Vec<String> = d["endpoints"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|e| e.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    let scores = d["scores"].as_array().cloned().unwrap_or_default();
+    let mut filtered = Map::new();
+    let mut by_ep = Map::new();
+    for (id, s) in ids.iter().zip(&scores) {
+        filtered.insert(id.clone(), s["filtered"].clone());
+        let mut s = s.clone();
+        if let Some(o) = s.as_object_mut() {
+            o.remove("role");
+            o.remove("filtered");
+        }
+        by_ep.insert(id.clone(), s);
+    }
+    json!({
+        "request_id": d["request_id"],
+        "policy_version": d["policy_version"],
+        "rule": d["rule"],
+        "mode": d["mode"],
+        "endpoint": d["endpoint"],
+        "prefill_endpoint": d["prefill_endpoint"],
+        "shed": !d["shed"].is_null(),
+        "status": d["shed"].get("status").cloned().unwrap_or(Value::Null),
+        "headers": headers,
+        "prefix_hit": d["prefix_hit"],
+        "cached_tokens": d["cached_tokens"],
+        "input_tokens": d["input_tokens"],
+        "relaxed_filters": d["relaxed_filters"],
+        "judgment": d["judgment"],
+        "transfer_pays": d["transfer"].get("pays").cloned().unwrap_or(Value::Null),
+        "filtered": filtered,
+        "scores": by_ep,
+    })
+}
+
+/// `expect` matches `actual`: numbers within 1e-9, objects by subset except `headers` (exact).
+pub fn check(path: &str, expect: &Value, actual: &Value, errors: &mut Vec<String>) {
+    match (expect, actual) {
+        (Value::Number(e), Value::Number(a)) => {
+            let (e, a) = (e.as_f64().unwrap_or(f64::NAN), a.as_f64().unwrap_or(f64::NAN));
+            if (e - a).abs() > 1e-9 {
+                errors.push(format!("{path}: expected {e}, got {a}"));
+            }
+        }
+        (Value::Object(e), Value::Object(a)) => {
+            if path.ends_with("headers") && e.len() != a.len() {
+                errors.push(format!("{path}: expected exactly {expect}, got {actual}"));
+                return;
+            }
+            for (k, ev) in e {
+                match a.get(k) {
+                    Some(av) => check(&format!("{path}.{k}"), ev, av, errors),
+                    None => errors.push(format!("{path}.{k}: missing in actual {actual}")),
+                }
+            }
+        }
+        _ if expect == actual => {}
+        _ => errors.push(format!("{path}: expected {expect}, got {actual}")),
+    }
+}
+
+/// Bytes of a hex string (the fixtures' `payload_hex`).
+pub fn hex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).filter_map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()).collect()
+}
+
+/// A golden fixture case (`fixtures/golden/<name>.json`), read from the repository.
+pub fn golden_case(name: &str) -> Value {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/golden").join(format!("{name}.json"));
+    std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_else(|| panic!("fixture {} unreadable", path.display()))
+}
+
+/// The `scores` entry of `endpoint` in a decision JSON (`Value::Null` when absent).
+pub fn score(decision: &Value, endpoint: &str) -> Value {
+    let ids = decision["endpoints"].as_array().cloned().unwrap_or_default();
+    ids.iter()
+        .position(|e| e.as_str() == Some(endpoint))
+        .and_then(|i| decision["scores"].get(i).cloned())
+        .unwrap_or(Value::Null)
+}
+
+/// The sum of the `kvroute_inflight_requests` samples of a stats page.
+pub fn inflight_total(page: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with("kvroute_inflight_requests{"))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}

@@ -1,0 +1,182 @@
+//! End to end: an engine's KV events published over ZMQ (loopback, vLLM framing) → the relay
+//! (`kvroute-relay`) → HTTP POSTs to a loopback listener standing in for Envoy, which hands each
+//! request to the filter in the wasmtime host and writes back the filter's local answer → the
+//! filter's precise index, seen by both of its VMs. With a wrong secret on the relay, the filter
+//! answers 401 and nothing is applied. Every wait is bounded.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::{Duration, Instant};
+
+use kvroute::zmq_sub::SubscriberConfig;
+use kvroute_relay::{EngineConfig, Relay, RelayConfig};
+use kvroute_wasm_tests::*;
+use serde_json::json;
+
+const A: &str = "10.0.0.1:8000";
+const B: &str = "10.0.0.2:8000";
+const WAIT: Duration = Duration::from_secs(10);
+
+/// One HTTP request received by the stand-in listener, and where its answer goes.
+struct Incoming {
+    message: HttpMessage,
+    answer: Sender<(u32, Vec<u8>)>,
+}
+
+/// A keep-alive HTTP/1.1 listener on loopback; every request is passed to the test thread (which
+/// owns the host) and answered with what it sends back.
+fn envoy_listener() -> (String, Receiver<Incoming>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut w = conn;
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut parts = line.split_whitespace();
+                    let (method, path) = (parts.next().unwrap_or("").to_owned(), parts.next().unwrap_or("").to_owned());
+                    let mut headers = vec![(":method".to_owned(), method), (":path".to_owned(), path)];
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let h = h.trim_end();
+                        if h.is_empty() {
+                            break;
+                        }
+                        let (k, v) = h.split_once(':').unwrap();
+                        let k = k.trim().to_ascii_lowercase();
+                        headers.push((if k == "host" { ":authority".to_owned() } else { k }, v.trim().to_owned()));
+                    }
+                    let n: usize =
+                        headers.iter().find(|(k, _)| k == "content-length").map_or(0, |(_, v)| v.parse().unwrap());
+                    let mut body = vec![0; n];
+                    r.read_exact(&mut body).unwrap();
+                    let pairs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                    let (atx, arx) = channel();
+                    if tx.send(Incoming { message: HttpMessage::new(pairs, body), answer: atx }).is_err() {
+                        return;
+                    }
+                    let Ok((status, body)) = arx.recv_timeout(WAIT) else { return };
+                    let head = format!("HTTP/1.1 {status} X\r\ncontent-length: {}\r\n\r\n", body.len());
+                    if w.write_all(head.as_bytes()).and_then(|()| w.write_all(&body)).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, rx)
+}
+
+/// Serve requests from the listener through `vm` until `done` says so (or time runs out);
+/// returns the statuses the filter answered.
+fn serve(host: &mut Host, vm: VmId, rx: &Receiver<Incoming>, mut done: impl FnMut(&[u32]) -> bool) -> Vec<u32> {
+    let t = Instant::now();
+    let mut statuses = Vec::new();
+    while !done(&statuses) && t.elapsed() < WAIT {
+        let Ok(inc) = rx.recv_timeout(Duration::from_millis(50)) else { continue };
+        let st = host.round_trip(vm, &inc.message, None).unwrap();
+        assert!(st.upstream_headers().is_none(), "event posts are answered by the filter");
+        let (status, body) = st.local_reply().map(|l| (l.status, l.body.clone())).unwrap_or((0, Vec::new()));
+        statuses.push(status);
+        let _ = inc.answer.send((status, body));
+    }
+    statuses
+}
+
+fn relay_config(url: &str, publisher: &str) -> RelayConfig {
+    RelayConfig {
+        targets: vec![url.to_owned()],
+        path: EVENTS_PATH.into(),
+        secret_env: None,
+        secret_file: None,
+        timeout_ms: 2000,
+        attempts: 1,
+        queue_batches: 100,
+        engines: vec![EngineConfig { endpoint: B.into(), subscriber: SubscriberConfig::new(publisher) }],
+    }
+}
+
+struct Publisher(zmq::Socket, String);
+
+impl Publisher {
+    fn new(ctx: &zmq::Context) -> Publisher {
+        let sock = ctx.socket(zmq::XPUB).unwrap();
+        sock.set_linger(0).unwrap();
+        sock.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = sock.get_last_endpoint().unwrap().unwrap();
+        Publisher(sock, endpoint)
+    }
+    fn wait_subscriber(&self) {
+        assert!(self.0.poll(zmq::POLLIN, WAIT.as_millis() as i64).unwrap() > 0, "no subscriber");
+        let _ = self.0.recv_bytes(0).unwrap();
+    }
+    fn send(&self, seq: u64, payload: &[u8]) {
+        self.0.send_multipart([&b"kv-events"[..], &seq.to_be_bytes()[..], payload], 0).unwrap();
+    }
+}
+
+fn b_blocks(host: &mut Host, vm: VmId, body: &str) -> u64 {
+    let (s, o) = route(host, vm, body.as_bytes(), &[]).unwrap();
+    host.finish_stream(s).unwrap();
+    score(&o.decision.unwrap(), B)["matched_blocks"].as_u64().unwrap()
+}
+
+#[test]
+fn engine_events_reach_the_filter_through_the_relay() {
+    let case = golden_case("41_precise_event_fed_hit");
+    let steps = case["steps"].as_array().unwrap();
+    let batch = hex(steps[2]["payload_hex"].as_str().unwrap());
+    let body = steps[3]["body"].to_string();
+
+    let mut host = host(&Pages::default()).unwrap();
+    let filter = host.load_kvroute_filter().unwrap();
+    let cfg = plugin_config(&case["policy"], &[(A, "decode"), (B, "decode")], &json!({}));
+    let vms = [host.start_vm(&filter, vm_config(&cfg)).unwrap(), host.start_vm(&filter, vm_config(&cfg)).unwrap()];
+
+    let ctx = zmq::Context::new();
+    let (url, rx) = envoy_listener();
+
+    // A relay with the wrong secret: refused, nothing applied.
+    let publisher = Publisher::new(&ctx);
+    let relay = Relay::start(&relay_config(&url, &publisher.1), "not-the-secret-0123456789").unwrap();
+    publisher.wait_subscriber();
+    publisher.send(0, &batch);
+    let statuses = serve(&mut host, vms[0], &rx, |s| !s.is_empty());
+    assert_eq!(statuses, [401]);
+    let stats = relay.stop();
+    assert_eq!((stats.posted, stats.post_failures), (0, 1));
+    assert_eq!(b_blocks(&mut host, vms[0], &body), 0);
+    assert_eq!(b_blocks(&mut host, vms[1], &body), 0);
+
+    // The right secret: the batch is applied, on both VMs.
+    let publisher = Publisher::new(&ctx);
+    let relay = Relay::start(&relay_config(&url, &publisher.1), SECRET).unwrap();
+    publisher.wait_subscriber();
+    publisher.send(0, &batch);
+    let statuses = serve(&mut host, vms[0], &rx, |s| !s.is_empty());
+    assert_eq!(statuses, [200]);
+    let stats = relay.stop();
+    assert_eq!((stats.posted, stats.post_failures), (1, 0));
+    assert_eq!(b_blocks(&mut host, vms[1], &body), 64);
+    assert_eq!(b_blocks(&mut host, vms[0], &body), 64);
+    let page = stats_page(&mut host, vms[1]);
+    assert_eq!(stat(&page, "kvroute_event_batches_total"), Some(1.0), "{page}");
+    assert!(host.abi_violations().is_empty());
+}
+
+fn stats_page(host: &mut Host, vm: VmId) -> String {
+    stats(host, vm).unwrap()
+}
