@@ -39,6 +39,20 @@
 //! gap, whose replay brings the same undecodable bytes, so the stream is resynchronized: entries
 //! that batch would have changed are never trusted blindly.
 //!
+//! # Raw batches: forwarding
+//! A subscription can also hand out the batches it receives, for a program that forwards them
+//! elsewhere (e.g. a relay that POSTs them to a process without sockets): give
+//! [`Subscription::start_with_hooks`] a [`BatchSink`]. It is called with every batch the router
+//! accepted (verdict [`StreamVerdict::Applied`] or [`StreamVerdict::Reset`]) as a [`Batch`]: the
+//! raw payload, its topic and sequence number, and whether it came from the live stream or from a
+//! replay. Batches reach the sink in the order the router applied them, which is sequence order:
+//! batches recovered by replay come before the held batch that revealed the gap. Duplicates,
+//! payloads that do not decode and batches the router refused never reach it. The sink and the
+//! [`Observer`] are called on the same worker thread, in stream order, so a forwarder learns of a
+//! [`SubscriberEvent::Resync`] (its downstream must drop what it holds for the endpoint) before
+//! the batch that starts the stream again. The router doing the judging can be a *shadow* router
+//! kept only for that purpose (precise mode with a small index is enough).
+//!
 //! # Threading and shutdown
 //! [`Subscription::start`] gives the subscription its own ZMQ context, opens the sockets on the
 //! worker thread and waits for it to report that the socket is bound or connected (errors come
@@ -107,6 +121,86 @@ pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
 /// A callback told about everything unusual on the stream (called on the worker thread: keep
 /// it short and non-blocking; a panic in it ends the subscription).
 pub type Observer = Arc<dyn Fn(&SubscriberEvent) + Send + Sync>;
+
+/// A callback given every batch the router accepted, in order (see the module docs, "Raw
+/// batches"). Called on the worker thread: keep it short and non-blocking (e.g. hand the batch
+/// to a bounded queue); a panic in it ends the subscription.
+pub type BatchSink = Arc<dyn Fn(&Batch<'_>) + Send + Sync>;
+
+/// Where a [`Batch`] handed to a [`BatchSink`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BatchOrigin {
+    /// The live stream (`SUB`), including a batch held during a gap's recovery and applied after.
+    Live,
+    /// The publisher's replay socket, recovering a gap.
+    Replay,
+}
+
+/// One batch the router accepted, as received: what a [`BatchSink`] is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Batch<'a> {
+    /// The topic frame. `None` for a replayed batch in the vLLM ≤ 0.23 reply format, which
+    /// carries no topic.
+    pub topic: Option<&'a [u8]>,
+    /// The publisher's sequence number.
+    pub seq: u64,
+    /// The msgpack payload, unchanged.
+    pub payload: &'a [u8],
+    /// Live or replayed.
+    pub origin: BatchOrigin,
+    /// The router's verdict: [`StreamVerdict::Applied`], or [`StreamVerdict::Reset`] when the
+    /// batch starts a restarted publisher's stream (the router cleared the endpoint first).
+    pub verdict: StreamVerdict,
+}
+
+/// Optional callbacks of a subscription, for [`Subscription::start_with_hooks`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvroute::zmq_sub::{Batch, Hooks, SubscriberEvent};
+///
+/// let hooks = Hooks::new()
+///     .observer(Arc::new(|e: &SubscriberEvent| eprintln!("stream: {e:?}")))
+///     .batch_sink(Arc::new(|b: &Batch<'_>| eprintln!("batch {} ({} bytes)", b.seq, b.payload.len())));
+/// # let _ = hooks;
+/// ```
+#[derive(Clone, Default)]
+pub struct Hooks {
+    observer: Option<Observer>,
+    batch_sink: Option<BatchSink>,
+}
+
+impl fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Hooks")
+            .field("observer", &self.observer.is_some())
+            .field("batch_sink", &self.batch_sink.is_some())
+            .finish()
+    }
+}
+
+impl Hooks {
+    /// No callbacks (what [`Subscription::start`] uses).
+    pub fn new() -> Self {
+        Hooks::default()
+    }
+
+    /// Tell `observer` about everything unusual on the stream (see [`SubscriberEvent`]).
+    #[must_use]
+    pub fn observer(mut self, observer: Observer) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Give `sink` every batch the router accepted, in order (see [`BatchSink`]).
+    #[must_use]
+    pub fn batch_sink(mut self, sink: BatchSink) -> Self {
+        self.batch_sink = Some(sink);
+        self
+    }
+}
 
 /// Milliseconds since the UNIX epoch (0 if the system clock is before it).
 pub fn unix_time_ms() -> u64 {
@@ -489,6 +583,20 @@ impl Subscription {
         clock: Clock,
         observer: Option<Observer>,
     ) -> Result<Subscription, SubscribeError> {
+        let hooks = Hooks { observer, batch_sink: None };
+        Self::start_with_hooks(router, endpoint_id, cfg, clock, hooks)
+    }
+
+    /// [`Subscription::start`] with callbacks: an [`Observer`] (as in
+    /// [`Subscription::start_with_observer`]) and a [`BatchSink`] given every batch the router
+    /// accepted, raw, in order. Both run on the worker thread, in stream order.
+    pub fn start_with_hooks(
+        router: Arc<Router>,
+        endpoint_id: impl Into<String>,
+        cfg: SubscriberConfig,
+        clock: Clock,
+        hooks: Hooks,
+    ) -> Result<Subscription, SubscribeError> {
         let endpoint_id = endpoint_id.into();
         cfg.validate()?;
         validate_endpoint_id(&endpoint_id)?;
@@ -499,7 +607,8 @@ impl Subscription {
             endpoint_id: endpoint_id.clone(),
             cfg,
             clock,
-            observer,
+            observer: hooks.observer,
+            batch_sink: hooks.batch_sink,
             counters: counters.clone(),
             stop: stop.clone(),
             ctx: zmq::Context::new(),
@@ -611,9 +720,19 @@ struct Worker {
     cfg: SubscriberConfig,
     clock: Clock,
     observer: Option<Observer>,
+    batch_sink: Option<BatchSink>,
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
     ctx: zmq::Context,
+}
+
+/// A batch as received, before the router judges it.
+#[derive(Clone, Copy)]
+struct Received<'a> {
+    topic: Option<&'a [u8]>,
+    seq: u64,
+    payload: &'a [u8],
+    origin: BatchOrigin,
 }
 
 impl Worker {
@@ -712,23 +831,35 @@ impl Worker {
             return malformed("sequence frame is not 8 bytes");
         };
         bump(&self.counters.batches);
-        if let Some(StreamVerdict::Gap { expected, got }) = self.apply(seq, payload) {
-            self.recover(expected, got, payload);
+        let batch = Received { topic: Some(topic), seq, payload, origin: BatchOrigin::Live };
+        if let Some(StreamVerdict::Gap { expected, got }) = self.apply(batch) {
+            self.recover(expected, got, batch);
         }
     }
 
-    /// Apply one batch; count and report what happened. `None`: not applied (decode or router
-    /// error).
-    fn apply(&self, seq: u64, payload: &[u8]) -> Option<StreamVerdict> {
-        let now = (self.clock)();
-        match self.router.apply_events(&self.endpoint_id, payload, Some(seq), now) {
+    /// Hand an accepted batch to the sink, if any.
+    fn sink(&self, b: Received<'_>, verdict: StreamVerdict) {
+        if let Some(sink) = &self.batch_sink {
+            sink(&Batch { topic: b.topic, seq: b.seq, payload: b.payload, origin: b.origin, verdict });
+        }
+    }
+
+    /// Apply one batch; count and report what happened, and hand it to the sink when accepted.
+    /// `None`: not applied (decode or router error).
+    fn apply(&self, b: Received<'_>) -> Option<StreamVerdict> {
+        let (seq, now) = (b.seq, (self.clock)());
+        match self.router.apply_events(&self.endpoint_id, b.payload, Some(seq), now) {
             Ok(out) => {
                 match out.verdict {
-                    StreamVerdict::Applied => bump(&self.counters.applied),
+                    StreamVerdict::Applied => {
+                        bump(&self.counters.applied);
+                        self.sink(b, out.verdict);
+                    }
                     StreamVerdict::Reset => {
                         bump(&self.counters.applied);
                         bump(&self.counters.resets);
                         self.notify(SubscriberEvent::Reset { seq });
+                        self.sink(b, out.verdict);
                     }
                     StreamVerdict::Duplicate => bump(&self.counters.duplicates),
                     StreamVerdict::Gap { expected, got } => {
@@ -752,7 +883,7 @@ impl Worker {
     }
 
     /// Batches `expected..held` are missing: replay them (or resync), then submit the held one.
-    fn recover(&self, expected: u64, held: u64, payload: &[u8]) {
+    fn recover(&self, expected: u64, held: u64, batch: Received<'_>) {
         let end = match &self.cfg.replay_endpoint {
             None => ReplayEnd::Failed(ReplayFailure::Unavailable),
             Some(ep) => {
@@ -775,10 +906,10 @@ impl Worker {
                 self.resync(expected, held);
             }
         }
-        if let Some(StreamVerdict::Gap { expected, got }) = self.apply(held, payload) {
+        if let Some(StreamVerdict::Gap { expected, got }) = self.apply(batch) {
             // The stream moved under us (e.g. another resync): accept the batch as a fresh start.
             self.resync(expected, got);
-            self.apply(held, payload);
+            self.apply(batch);
         }
     }
 
@@ -838,7 +969,7 @@ impl Worker {
                 Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => continue,
                 Err(e) => return sock_err("recv")(e),
             };
-            let (seq, payload) = match parse_replay(&frames) {
+            let (topic, seq, payload) = match parse_replay(&frames) {
                 Ok(ReplayMsg::End) => {
                     return ReplayEnd::Failed(ReplayFailure::Incomplete { missing: next });
                 }
@@ -846,7 +977,7 @@ impl Worker {
                     if topic.is_some_and(|t| !t.starts_with(self.cfg.topic.as_bytes())) {
                         continue;
                     }
-                    (seq, payload)
+                    (topic, seq, payload)
                 }
                 Err(reason) => return ReplayEnd::Failed(ReplayFailure::BadReply { reason }),
             };
@@ -862,7 +993,7 @@ impl Worker {
                 };
                 return ReplayEnd::Failed(failure);
             }
-            match self.apply(seq, payload) {
+            match self.apply(Received { topic, seq, payload, origin: BatchOrigin::Replay }) {
                 Some(StreamVerdict::Applied | StreamVerdict::Reset) => bump(&self.counters.replayed_batches),
                 Some(StreamVerdict::Duplicate) => {}
                 Some(StreamVerdict::Gap { .. }) | None => {

@@ -15,10 +15,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvroute::zmq_sub::{
-    Clock, ReplayFailure, SocketMode, SubscribeError, SubscriberConfig, SubscriberEvent, SubscriberStats, Subscription,
-    END_SEQ,
+    Batch, BatchOrigin, Clock, Hooks, ReplayFailure, SocketMode, SubscribeError, SubscriberConfig, SubscriberEvent,
+    SubscriberStats, Subscription, END_SEQ,
 };
-use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Policy, Role, Router};
+use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Policy, Role, Router, StreamVerdict};
 
 const A: &str = "127.0.0.1:8001";
 const B: &str = "127.0.0.1:8002";
@@ -775,4 +775,175 @@ fn undecodable_batch_mid_stream_ends_in_a_resync() {
         .unwrap()
         .contains(&SubscriberEvent::ReplayFailed { expected: 1, reason: ReplayFailure::Unusable { seq: 1 } }));
     assert_resynced(&r, &clock);
+}
+
+// ---------------------------------------------------------------------------------------------
+// batch sink: raw batches handed out in order (for forwarders such as the filter's relay)
+// ---------------------------------------------------------------------------------------------
+
+/// What the hooks saw, in the one order the worker called them: accepted batches (copied) and
+/// stream events.
+#[derive(Debug, Clone, PartialEq)]
+enum Hooked {
+    Batch { topic: Option<Vec<u8>>, seq: u64, payload: Vec<u8>, origin: BatchOrigin, verdict: StreamVerdict },
+    Event(SubscriberEvent),
+}
+
+type HookLog = Arc<Mutex<Vec<Hooked>>>;
+
+fn start_hooked(r: &Arc<Router>, cfg: SubscriberConfig, clock: &Clock) -> (Subscription, HookLog) {
+    let log: HookLog = Arc::default();
+    let (l1, l2) = (log.clone(), log.clone());
+    let hooks = Hooks::new()
+        .observer(Arc::new(move |e: &SubscriberEvent| l1.lock().unwrap().push(Hooked::Event(e.clone()))))
+        .batch_sink(Arc::new(move |b: &Batch<'_>| {
+            l2.lock().unwrap().push(Hooked::Batch {
+                topic: b.topic.map(<[u8]>::to_vec),
+                seq: b.seq,
+                payload: b.payload.to_vec(),
+                origin: b.origin,
+                verdict: b.verdict,
+            });
+        }));
+    let sub = Subscription::start_with_hooks(r.clone(), A, cfg, clock.clone(), hooks).unwrap();
+    (sub, log)
+}
+
+fn live(topic: &str, seq: u64, payload: &[u8]) -> Hooked {
+    Hooked::Batch {
+        topic: Some(topic.as_bytes().to_vec()),
+        seq,
+        payload: payload.to_vec(),
+        origin: BatchOrigin::Live,
+        verdict: StreamVerdict::Applied,
+    }
+}
+
+#[test]
+fn batch_sink_gets_accepted_batches_raw_in_order_and_nothing_else() {
+    let (_, clock) = test_clock();
+    let r = router(&clock);
+    let mut publisher = Publisher::bind(None);
+    publisher.topic = "kv@rank0".into();
+    let mut cfg = config(&publisher.endpoint());
+    cfg.topic = "kv@rank0".into();
+    let (sub, log) = start_hooked(&r, cfg, &clock);
+    publisher.wait_subscribed();
+    let batches = chain(3, Encoding::Map);
+    for p in &batches {
+        publisher.publish(p);
+    }
+    let seq = |n: u64| n.to_be_bytes();
+    publisher.send_raw(&[b"kv@rank0", &seq(1), &batches[1]]); // a duplicate
+    publisher.send_raw(&[b"kv@rank1", &seq(9), &batches[2]]); // another topic: filtered out
+    publisher.send_raw(&[b"kv@rank0", &seq(3), b"\xc1 not msgpack"]); // does not decode
+    publisher.send_raw(&[b"kv@rank0", b"short"]); // malformed
+    wait_for(&sub, "everything", |s| s.applied == 3 && s.duplicates == 1 && s.decode_errors == 1 && s.malformed == 1);
+    let stats = stop(sub);
+    // The sink changes nothing in what the subscription does or counts.
+    let expected = SubscriberStats {
+        messages: 6,
+        batches: 5,
+        applied: 3,
+        duplicates: 1,
+        decode_errors: 1,
+        malformed: 1,
+        ..Default::default()
+    };
+    assert_eq!(stats, expected);
+    let log = log.lock().unwrap().clone();
+    assert_eq!(log.len(), 5, "{log:?}");
+    for (k, p) in batches.iter().enumerate() {
+        assert_eq!(log[k], live("kv@rank0", k as u64, p), "batch {k}: the payload exactly as published");
+    }
+    assert!(matches!(log[3], Hooked::Event(SubscriberEvent::Decode { seq: 3, .. })), "{:?}", log[3]);
+    assert!(matches!(log[4], Hooked::Event(SubscriberEvent::Malformed { frames: 2, .. })), "{:?}", log[4]);
+    let (got, want) = (r.stats().precise, reference(&batches, &clock).stats().precise);
+    assert_eq!((got.index, got.blocks_stored, got.batches), (want.index, want.blocks_stored, want.batches));
+}
+
+fn batch_sink_gets_replayed_batches_before_the_held_one(format: ReplayFormat) {
+    let (_, clock) = test_clock();
+    let r = router(&clock);
+    let mut publisher = Publisher::bind(Some(format));
+    publisher.topic = "kv".into();
+    let mut cfg = config(&publisher.endpoint());
+    cfg.replay_endpoint = Some(publisher.replay_endpoint());
+    let (sub, log) = start_hooked(&r, cfg, &clock);
+    publisher.wait_subscribed();
+    let batches = chain(5, Encoding::Map);
+    publisher.publish(&batches[0]);
+    publisher.lose(&batches[1]);
+    publisher.lose(&batches[2]);
+    publisher.publish(&batches[3]);
+    publisher.publish(&batches[4]);
+    wait_for(&sub, "5 applied batches", |s| s.applied == 5);
+    let stats = stop(sub);
+    assert_eq!((stats.gaps, stats.replayed_batches, stats.resyncs), (1, 2, 0));
+    // vLLM ≤ 0.23 replies carry no topic frame.
+    let replay_topic = (format == ReplayFormat::V026).then(|| b"kv".to_vec());
+    let replayed = |seq: usize| Hooked::Batch {
+        topic: replay_topic.clone(),
+        seq: seq as u64,
+        payload: batches[seq].clone(),
+        origin: BatchOrigin::Replay,
+        verdict: StreamVerdict::Applied,
+    };
+    assert_eq!(
+        *log.lock().unwrap(),
+        vec![
+            live("kv", 0, &batches[0]),
+            Hooked::Event(SubscriberEvent::Gap { expected: 1, got: 3 }),
+            replayed(1),
+            replayed(2),
+            live("kv", 3, &batches[3]),
+            live("kv", 4, &batches[4]),
+        ],
+        "{format:?}"
+    );
+}
+
+#[test]
+fn batch_sink_gets_replayed_batches_before_the_held_one_vllm_026_format() {
+    batch_sink_gets_replayed_batches_before_the_held_one(ReplayFormat::V026);
+}
+
+#[test]
+fn batch_sink_gets_replayed_batches_before_the_held_one_vllm_023_format() {
+    batch_sink_gets_replayed_batches_before_the_held_one(ReplayFormat::V023);
+}
+
+#[test]
+fn batch_sink_learns_of_a_resync_before_the_fresh_start_and_of_a_reset_with_its_batch() {
+    let (_, clock) = test_clock();
+    let r = router(&clock);
+    let mut publisher = Publisher::bind(None);
+    let (sub, log) = start_hooked(&r, config(&publisher.endpoint()), &clock);
+    publisher.wait_subscribed();
+    publish_with_a_gap(&mut publisher); // 0, (1 lost), 2: no replay endpoint, so a resync
+    wait_for(&sub, "a resync", |s| s.resyncs == 1 && s.applied == 2);
+    publisher.restart();
+    let restarted = chain_batch(0, 100.0, Encoding::Map);
+    publisher.publish(&restarted);
+    wait_for(&sub, "the restarted stream", |s| s.resets == 1);
+    stop(sub);
+    let batches = chain(3, Encoding::Map);
+    assert_eq!(
+        *log.lock().unwrap(),
+        vec![
+            live("", 0, &batches[0]),
+            Hooked::Event(SubscriberEvent::Gap { expected: 1, got: 2 }),
+            Hooked::Event(SubscriberEvent::ReplayFailed { expected: 1, reason: ReplayFailure::Unavailable }),
+            Hooked::Event(SubscriberEvent::Resync { expected: 1, got: 2 }),
+            live("", 2, &batches[2]),
+            Hooked::Event(SubscriberEvent::Reset { seq: 0 }),
+            Hooked::Batch {
+                topic: Some(Vec::new()),
+                seq: 0,
+                payload: restarted,
+                origin: BatchOrigin::Live,
+                verdict: StreamVerdict::Reset,
+            },
+        ]
+    );
 }

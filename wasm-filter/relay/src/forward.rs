@@ -73,16 +73,16 @@ impl Forwarder {
         let (headers, body): (Vec<(&str, &str)>, &[u8]) = match msg {
             Msg::Batch { endpoint, topic, seq, payload } => {
                 seq_text = seq.to_string();
-                (
-                    vec![
-                        (HEADER_SECRET, self.secret.as_str()),
-                        (HEADER_ENDPOINT, endpoint),
-                        (HEADER_KIND, "batch"),
-                        (HEADER_SEQ, seq_text.as_str()),
-                        (HEADER_TOPIC, topic),
-                    ],
-                    payload,
-                )
+                let mut headers = vec![
+                    (HEADER_SECRET, self.secret.as_str()),
+                    (HEADER_ENDPOINT, endpoint),
+                    (HEADER_KIND, "batch"),
+                    (HEADER_SEQ, seq_text.as_str()),
+                ];
+                if let Some(topic) = topic {
+                    headers.push((HEADER_TOPIC, topic));
+                }
+                (headers, payload)
             }
             Msg::Resync { endpoint } => {
                 (vec![(HEADER_SECRET, self.secret.as_str()), (HEADER_ENDPOINT, endpoint), (HEADER_KIND, "resync")], &[])

@@ -8,10 +8,12 @@
 //! given, with the shared secret. See `wasm-filter/README.md` (Events) and the protocol in
 //! [`kvroute_filter::ingest`].
 //!
-//! Ordering and gap handling use a *shadow* [`kvroute::Router`] that sees the same batches as
-//! the filter: its stream verdict (applied / duplicate / gap / reset) decides what is forwarded.
-//! (When the core's subscriber reports applied payloads to its observer, the relay can use the
-//! core's subscriber instead of its own receive loop.)
+//! Receiving, ordering and gap handling are the core's ZMQ subscriber
+//! ([`kvroute::zmq_sub::Subscription`], one per engine) feeding a *shadow* [`kvroute::Router`]
+//! that sees the same batches as the filter: its batch sink hands the relay every batch the
+//! shadow router accepted (applied or reset; replayed batches included, in sequence order), and
+//! its observer reports resyncs, which the relay forwards as resync notices ahead of the batch
+//! that starts the stream again.
 //!
 //! Per target, one forwarding thread POSTs in order; when the filter answers 409 (it missed
 //! batches: a POST was lost, or its Envoy restarted mid-stream) the relay POSTs a resync notice
@@ -27,73 +29,74 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 pub use config::{EngineConfig, RelayConfig};
+use kvroute::zmq_sub::{SubscribeError, SubscriberStats, Subscription};
 
-/// Counters of a running relay.
+/// The relay's own counters (the subscriptions count the receiving side).
 #[derive(Debug, Default)]
-pub struct Stats {
-    /// ZMQ messages received (live).
-    pub received: AtomicU64,
+pub(crate) struct Stats {
     /// Batches handed to the forwarders (live and replayed).
-    pub batches: AtomicU64,
-    /// Duplicate batches dropped.
-    pub duplicates: AtomicU64,
-    /// Gaps detected.
-    pub gaps: AtomicU64,
-    /// Batches recovered by replay.
-    pub replayed: AtomicU64,
-    /// Streams resynchronized (replay unavailable or failed).
-    pub resyncs: AtomicU64,
-    /// Payloads that did not decode (not forwarded).
-    pub decode_errors: AtomicU64,
-    /// Malformed ZMQ messages skipped.
-    pub malformed: AtomicU64,
+    pub(crate) batches: AtomicU64,
     /// POSTs the filter accepted (200).
-    pub posted: AtomicU64,
+    pub(crate) posted: AtomicU64,
     /// 409 answers (the filter missed batches; a resync followed).
-    pub conflicts: AtomicU64,
+    pub(crate) conflicts: AtomicU64,
     /// POSTs that failed for good (transport errors after retries, or 4xx/5xx).
-    pub post_failures: AtomicU64,
-    /// Batches dropped because a target's queue was full.
-    pub dropped: AtomicU64,
+    pub(crate) post_failures: AtomicU64,
+    /// Batches or resync notices dropped because a target's queue was full.
+    pub(crate) dropped: AtomicU64,
 }
 
-impl Stats {
-    /// A plain copy of the counters.
-    pub fn snapshot(&self) -> StatsSnapshot {
+/// Counters of a running relay, summed over its engines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StatsSnapshot {
+    /// ZMQ messages received (live).
+    pub received: u64,
+    /// Batches handed to the forwarders (live and replayed).
+    pub batches: u64,
+    /// Duplicate batches dropped.
+    pub duplicates: u64,
+    /// Gaps detected.
+    pub gaps: u64,
+    /// Batches recovered by replay.
+    pub replayed: u64,
+    /// Streams resynchronized (replay unavailable or failed).
+    pub resyncs: u64,
+    /// Payloads that did not decode (not forwarded).
+    pub decode_errors: u64,
+    /// Malformed ZMQ messages skipped.
+    pub malformed: u64,
+    /// POSTs the filter accepted (200).
+    pub posted: u64,
+    /// 409 answers (the filter missed batches; a resync followed).
+    pub conflicts: u64,
+    /// POSTs that failed for good (transport errors after retries, or 4xx/5xx).
+    pub post_failures: u64,
+    /// Batches or resync notices dropped because a target's queue was full.
+    pub dropped: u64,
+}
+
+impl StatsSnapshot {
+    fn new(own: &Stats) -> Self {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         StatsSnapshot {
-            received: g(&self.received),
-            batches: g(&self.batches),
-            duplicates: g(&self.duplicates),
-            gaps: g(&self.gaps),
-            replayed: g(&self.replayed),
-            resyncs: g(&self.resyncs),
-            decode_errors: g(&self.decode_errors),
-            malformed: g(&self.malformed),
-            posted: g(&self.posted),
-            conflicts: g(&self.conflicts),
-            post_failures: g(&self.post_failures),
-            dropped: g(&self.dropped),
+            batches: g(&own.batches),
+            posted: g(&own.posted),
+            conflicts: g(&own.conflicts),
+            post_failures: g(&own.post_failures),
+            dropped: g(&own.dropped),
+            ..StatsSnapshot::default()
         }
     }
-}
 
-/// A copy of [`Stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-#[allow(missing_docs)]
-pub struct StatsSnapshot {
-    pub received: u64,
-    pub batches: u64,
-    pub duplicates: u64,
-    pub gaps: u64,
-    pub replayed: u64,
-    pub resyncs: u64,
-    pub decode_errors: u64,
-    pub malformed: u64,
-    pub posted: u64,
-    pub conflicts: u64,
-    pub post_failures: u64,
-    pub dropped: u64,
+    fn add_subscriber(&mut self, s: &SubscriberStats) {
+        self.received += s.messages;
+        self.duplicates += s.duplicates;
+        self.gaps += s.gaps;
+        self.replayed += s.replayed_batches;
+        self.resyncs += s.resyncs;
+        self.decode_errors += s.decode_errors;
+        self.malformed += s.malformed;
+    }
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -106,38 +109,60 @@ pub(crate) fn bump(c: &AtomicU64) {
 pub enum RelayError {
     /// The configuration is invalid.
     Config(String),
-    /// A ZMQ socket could not be opened.
-    Socket(String),
+    /// An engine's subscription could not be started (bad subscriber config, a ZMQ bind or
+    /// connect error, ...).
+    Subscribe {
+        /// The engine's endpoint id.
+        engine: String,
+        /// The core subscriber's error.
+        error: SubscribeError,
+    },
+    /// A forwarding thread could not be spawned.
+    Spawn(std::io::Error),
 }
 
 impl std::fmt::Display for RelayError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             RelayError::Config(s) => write!(f, "relay configuration: {s}"),
-            RelayError::Socket(s) => write!(f, "relay socket: {s}"),
+            RelayError::Subscribe { engine, error } => write!(f, "engine {engine}: {error}"),
+            RelayError::Spawn(e) => write!(f, "could not spawn a forwarding thread: {e}"),
         }
     }
 }
 
-impl std::error::Error for RelayError {}
+impl std::error::Error for RelayError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RelayError::Config(_) => None,
+            RelayError::Subscribe { error, .. } => Some(error),
+            RelayError::Spawn(e) => Some(e),
+        }
+    }
+}
 
-/// What a forwarder is asked to send.
+/// What a forwarder is asked to send. A batch's `topic` is `None` when unknown (a vLLM ≤ 0.23
+/// replay) or not usable as a header value: the header is then left out.
 #[derive(Debug, Clone)]
 pub(crate) enum Msg {
-    Batch { endpoint: Arc<str>, topic: Arc<str>, seq: u64, payload: Arc<[u8]> },
+    Batch { endpoint: Arc<str>, topic: Option<Arc<str>>, seq: u64, payload: Arc<[u8]> },
     Resync { endpoint: Arc<str> },
 }
 
-/// A running relay: one receiving thread per engine, one forwarding thread per target.
+/// A running relay: one core subscription (with its receiving thread) per engine, one
+/// forwarding thread per target.
 pub struct Relay {
     stop: Arc<AtomicBool>,
     stats: Arc<Stats>,
+    subscriptions: Vec<Subscription>,
+    /// Final counters of the subscriptions already stopped.
+    stopped: Vec<SubscriberStats>,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Relay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Relay").field("stats", &self.stats.snapshot()).finish_non_exhaustive()
+        f.debug_struct("Relay").field("stats", &self.stats()).finish_non_exhaustive()
     }
 }
 
@@ -145,45 +170,63 @@ impl Relay {
     /// Open every engine's sockets (errors are returned here) and start relaying with `secret`.
     pub fn start(cfg: &RelayConfig, secret: &str) -> Result<Relay, RelayError> {
         cfg.validate().map_err(RelayError::Config)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stats = Arc::new(Stats::default());
-        let mut threads = Vec::new();
+        // Built as it goes, so that an error stops whatever was already started (`Drop`).
+        let mut relay = Relay {
+            stop: Arc::new(AtomicBool::new(false)),
+            stats: Arc::new(Stats::default()),
+            subscriptions: Vec::new(),
+            stopped: Vec::new(),
+            threads: Vec::new(),
+        };
         let mut senders = Vec::new();
         for t in &cfg.targets {
             let target = http::Target::parse(t, cfg.timeout()).map_err(RelayError::Config)?;
             let (tx, rx) = std::sync::mpsc::sync_channel(cfg.queue_batches);
             senders.push(tx);
-            let f = forward::Forwarder::new(target, cfg, secret, stats.clone(), stop.clone());
-            threads.push(std::thread::spawn(move || f.run(&rx)));
+            let f = forward::Forwarder::new(target, cfg, secret, relay.stats.clone(), relay.stop.clone());
+            let name = format!("kvroute-relay post {t}");
+            let thread = std::thread::Builder::new().name(name).spawn(move || f.run(&rx)).map_err(RelayError::Spawn)?;
+            relay.threads.push(thread);
         }
-        let ctx = zmq::Context::new();
-        let mut engines = Vec::new();
+        let shadow = engine::shadow_router(&cfg.engines)?;
         for e in &cfg.engines {
-            engines.push(engine::Engine::open(&ctx, e, senders.clone(), stats.clone(), stop.clone())?);
+            let sub = engine::subscribe(&shadow, e, senders.clone(), &relay.stats)?;
+            relay.subscriptions.push(sub);
         }
-        for e in engines {
-            threads.push(std::thread::spawn(move || e.run()));
-        }
-        Ok(Relay { stop, stats, threads })
+        Ok(relay)
     }
 
     /// Current counters.
     pub fn stats(&self) -> StatsSnapshot {
-        self.stats.snapshot()
+        let mut s = StatsSnapshot::new(&self.stats);
+        for sub in &self.subscriptions {
+            s.add_subscriber(&sub.stats());
+        }
+        for done in &self.stopped {
+            s.add_subscriber(done);
+        }
+        s
     }
 
-    /// Whether every thread is still running.
+    /// Whether every subscription and forwarding thread is still running.
     pub fn is_running(&self) -> bool {
-        self.threads.iter().all(|t| !t.is_finished())
+        self.subscriptions.iter().all(Subscription::is_running) && self.threads.iter().all(|t| !t.is_finished())
     }
 
-    /// Stop and join every thread (about one poll interval); returns the final counters.
+    /// Stop the subscriptions, then the forwarders (about one poll interval; what is still queued
+    /// is not posted); returns the final counters.
     pub fn stop(mut self) -> StatsSnapshot {
         self.shutdown();
-        self.stats.snapshot()
+        self.stats()
     }
 
     fn shutdown(&mut self) {
+        for sub in self.subscriptions.drain(..) {
+            // `stop` fails only when the worker had already ended (panicked): its counters were
+            // final then.
+            let last = sub.stats();
+            self.stopped.push(sub.stop().unwrap_or(last));
+        }
         self.stop.store(true, Ordering::Release);
         for t in self.threads.drain(..) {
             let _ = t.join();

@@ -192,8 +192,12 @@ fn a_gap_is_replayed_from_the_publisher() {
         got.iter().map(Post::label).collect::<Vec<_>>(),
         ["batch:0", "batch:1", "batch:2", "batch:3", "batch:4"]
     );
+    // Replayed batches (2 and 3) are posted exactly as the live ones: payload and topic.
+    for (seq, p) in got.iter().enumerate() {
+        assert_eq!((p.header("x-kvroute-topic"), &p.body), (Some("kv"), &batch(1.0 + seq as f64)), "batch {seq}");
+    }
     let stats = relay.stop();
-    assert_eq!((stats.gaps, stats.replayed, stats.resyncs), (1, 2, 0));
+    assert_eq!((stats.gaps, stats.replayed, stats.resyncs, stats.batches), (1, 2, 0, 5));
 }
 
 #[test]
