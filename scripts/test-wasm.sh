@@ -20,7 +20,7 @@ CRATES=(-p kvroute-wasm -p kvroute-wasm-host -p kvroute-relay -p kvroute-wasm-te
 
 step "build kvroute_filter.wasm (wasm32-wasip1, profile wasm-release)"
 cargo build -p kvroute-wasm --target wasm32-wasip1 --profile wasm-release
-wasm=target/wasm32-wasip1/wasm-release/kvroute_filter.wasm
+wasm="${CARGO_TARGET_DIR:-target}/wasm32-wasip1/wasm-release/kvroute_filter.wasm"
 size=$(stat -c %s "$wasm")
 echo "kvroute_filter.wasm: $size bytes ($((size / 1024)) KiB)"
 
