@@ -819,7 +819,10 @@ impl HttpContext for Http {
                     if CLIENT_MUST_NOT_SET.contains(&k.as_str()) {
                         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &k, None);
                     } else {
-                        self.headers.push((k, String::from_utf8_lossy(&v).into_owned()));
+                        // Valid UTF-8 (the usual case) keeps the host's buffer: no copy.
+                        let v =
+                            String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+                        self.headers.push((k, v));
                     }
                 }
             }
@@ -830,9 +833,10 @@ impl HttpContext for Http {
                 }
             }
         }
-        let (events, stats) = match self.shared.active.try_borrow() {
+        // The configuration is shared (`Rc`): holding it costs no copy of its strings.
+        let cfg = match self.shared.active.try_borrow() {
             Ok(slot) => match slot.as_ref() {
-                Some(a) => (a.cfg.filter.events.clone(), a.cfg.filter.stats_path.clone()),
+                Some(a) => Some(a.cfg.clone()),
                 None => {
                     drop(slot);
                     self.phase = Phase::Done;
@@ -840,15 +844,16 @@ impl HttpContext for Http {
                     return Action::Continue;
                 }
             },
-            Err(_) => (None, None),
+            Err(_) => None,
         };
-        let path = self.header(":path").unwrap_or_default();
-        let path = path_only(path);
-        if let Some(ev) = events.filter(|e| e.path == path) {
-            return self.event_headers(&ev, end_of_stream);
-        }
-        if stats.is_some_and(|s| s == path) && self.header(":method") == Some("GET") {
-            return self.stats();
+        if let Some(cfg) = cfg {
+            let path = path_only(self.header(":path").unwrap_or_default());
+            if let Some(ev) = cfg.filter.events.as_ref().filter(|e| e.path == path) {
+                return self.event_headers(ev, end_of_stream);
+            }
+            if cfg.filter.stats_path.as_deref().is_some_and(|s| s == path) && self.header(":method") == Some("GET") {
+                return self.stats();
+            }
         }
         if end_of_stream {
             // No body (GET /v1/models, health checks): nothing for the core to read; send it

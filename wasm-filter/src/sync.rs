@@ -284,6 +284,23 @@ pub struct SyncStats {
     pub cas_conflicts: u64,
 }
 
+/// Append `n` in decimal (what `format!("{n}")` writes).
+fn push_decimal(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    if let Ok(d) = std::str::from_utf8(&digits[i..]) {
+        out.push_str(d);
+    }
+}
+
 fn read_u64(v: Option<&[u8]>) -> u64 {
     v.and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
 }
@@ -315,6 +332,8 @@ pub struct SharedLog {
     /// `head` and its CAS token as the last poll read them: the next append tries them first
     /// instead of reading `head` again (a stale hint only costs one CAS conflict).
     head_hint: Option<(u64, u32)>,
+    /// Reused for slot keys (`{prefix}e/{slot}`): no formatting or allocation per entry.
+    key_buf: String,
     /// Counters.
     pub stats: SyncStats,
 }
@@ -332,6 +351,7 @@ impl SharedLog {
             cursor: None,
             pending_since: None,
             head_hint: None,
+            key_buf: String::new(),
             stats: SyncStats::default(),
         }
     }
@@ -346,8 +366,15 @@ impl SharedLog {
         self.cursor
     }
 
-    fn slot_key(&self, seq: u64) -> String {
-        format!("{}e/{}", self.prefix, seq % self.ring)
+    /// The key of `seq`'s slot, `{prefix}e/{seq % ring}`, built in the reused key buffer (hand
+    /// it back with `self.key_buf = key` after use).
+    fn slot_key(&mut self, seq: u64) -> String {
+        let mut key = std::mem::take(&mut self.key_buf);
+        key.clear();
+        key.push_str(&self.prefix);
+        key.push_str("e/");
+        push_decimal(&mut key, seq % self.ring);
+        key
     }
 
     fn head(&mut self, store: &mut impl SharedStore) -> Result<(u64, Option<u32>), StoreError> {
@@ -365,7 +392,10 @@ impl SharedLog {
             match store.set(&self.head_key, &(seq + 1).to_le_bytes(), cas) {
                 Ok(()) => {
                     let bytes = entry.encode(seq, self.instance);
-                    store.set(&self.slot_key(seq), &bytes, None).inspect_err(|_| self.stats.errors += 1)?;
+                    let key = self.slot_key(seq);
+                    let written = store.set(&key, &bytes, None);
+                    self.key_buf = key;
+                    written.inspect_err(|_| self.stats.errors += 1)?;
                     self.stats.appended += 1;
                     // Caught up to our own entry: no need to read it back.
                     if self.cursor == Some(seq) {
@@ -401,7 +431,10 @@ impl SharedLog {
         };
         let mut applied = 0;
         while cursor < head {
-            let value = match store.get(&self.slot_key(cursor)) {
+            let key = self.slot_key(cursor);
+            let read = store.get(&key);
+            self.key_buf = key;
+            let value = match read {
                 Ok((v, _)) => v,
                 Err(e) => {
                     self.stats.errors += 1;
@@ -515,6 +548,19 @@ mod tests {
         let mut out = Vec::new();
         log.poll(mem, now, |o, e| out.push((o, format!("{e:?}")))).unwrap();
         out
+    }
+
+    #[test]
+    fn slot_keys_are_the_formatted_ones() {
+        let mut log = SharedLog::new("kvroute", 8192, 1);
+        for seq in [0, 1, 9, 10, 8191, 8192, 8193, 123_456_789, u64::MAX] {
+            assert_eq!(log.slot_key(seq), format!("kvroute/r8192/e/{}", seq % 8192));
+        }
+        let mut big = SharedLog::new("ns", u32::MAX, 1);
+        assert_eq!(big.slot_key(u64::MAX), format!("ns/r{}/e/{}", u32::MAX, u64::MAX % u64::from(u32::MAX)));
+        let mut s = String::new();
+        push_decimal(&mut s, u64::MAX);
+        assert_eq!(s, u64::MAX.to_string());
     }
 
     #[test]

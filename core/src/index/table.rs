@@ -201,7 +201,7 @@ impl<B: BucketKind> PostingTable<B> {
 
     #[inline]
     fn home(&self, tag: B::Tag) -> usize {
-        ((u128::from(B::home_hash(tag)) * self.n as u128) >> 64) as usize
+        crate::hashing::mul_hi(B::home_hash(tag), self.n as u64) as usize
     }
 
     #[inline]
