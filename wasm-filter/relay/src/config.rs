@@ -98,7 +98,9 @@ impl RelayConfig {
         for t in &self.targets {
             crate::http::Target::parse(t, self.timeout())?;
         }
-        if !self.path.starts_with('/') || self.path.bytes().any(|b| !b.is_ascii_graphic()) {
+        // A request target the HTTP client sends as written (no fragment, nothing it rejects).
+        let sendable = !self.path.contains('#') && self.path.parse::<ureq::http::uri::PathAndQuery>().is_ok();
+        if !self.path.starts_with('/') || self.path.bytes().any(|b| !b.is_ascii_graphic()) || !sendable {
             return Err(format!("`path` {:?} must be an absolute path", self.path));
         }
         if self.timeout_ms == 0 || self.attempts == 0 || self.queue_batches == 0 {
@@ -156,6 +158,11 @@ mod tests {
         assert_eq!((cfg.timeout_ms, cfg.attempts, cfg.queue_batches), (2000, 4, 10_000));
         assert!(RelayConfig::from_json(r#"{"targets": [], "engines": []}"#).is_err());
         assert!(RelayConfig::from_json(r#"{"targets": ["ftp://x"], "engines": []}"#).is_err());
+        for path in ["/a#b", "/a<b", "/a`b", "a"] {
+            let text = format!(r#"{{"targets": ["http://x:1"], "path": {path:?}, "engines": []}}"#);
+            assert!(RelayConfig::from_json(&text).unwrap_err().contains("`path`"), "{path}");
+        }
+        assert!(RelayConfig::from_json(r#"{"targets": ["http://x:1"], "path": "/a?b=1", "engines": []}"#).is_ok());
         assert!(RelayConfig::from_json(r#"{"targets": ["http://x:1"], "engines": [], "nope": 1}"#).is_err());
         let bad_engine =
             r#"{"targets": ["http://x:1"], "engines": [{"endpoint": "x", "subscriber": {"endpoint": "tcp://a:1"}}]}"#;

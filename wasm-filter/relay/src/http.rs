@@ -1,23 +1,28 @@
-//! A minimal blocking HTTP/1.1 client over `std::net::TcpStream`: one keep-alive connection per
-//! target, `POST` with a `Content-Length` body, responses read by `Content-Length` or chunked
-//! encoding. It is all the relay needs (one request shape to one listener); plaintext only (put
-//! TLS in the mesh or a sidecar, as the Envoy listener's own config decides).
+//! The relay's HTTP/1.1 client: a [`ureq::Agent`] per target (its connection pool keeps the
+//! connection alive between POSTs), `POST` with a `Content-Length` body, the response read up to
+//! [`MAX_RESPONSE_BYTES`]. Plaintext `http://` only: put TLS in the mesh or a sidecar, as the
+//! Envoy listener's own config decides.
+//!
+//! The agent sends only what the relay asks for: no proxy from the environment, no redirects
+//! followed, no `user-agent`, `accept` or `accept-encoding` headers, and every status comes back
+//! as a [`Response`] (the forwarder decides what 2xx, 409 and the others mean).
 
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
+use ureq::config::AutoHeaderValue;
+use ureq::http::uri::Authority;
+use ureq::Agent;
+
 /// Largest response body read (the filter's answers are small JSON documents).
-const MAX_RESPONSE_BYTES: usize = 1 << 20;
+pub const MAX_RESPONSE_BYTES: u64 = 1 << 20;
 
 /// An `http://host:port` target.
 #[derive(Debug)]
 pub struct Target {
-    host: String,
-    port: u16,
+    /// `http://host:port`, the request path appended.
+    base: String,
     authority: String,
-    timeout: Duration,
-    conn: Option<BufReader<TcpStream>>,
+    agent: Agent,
 }
 
 /// A response: status and body.
@@ -29,33 +34,35 @@ pub struct Response {
     pub body: Vec<u8>,
 }
 
-fn bad(msg: impl Into<String>) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, msg.into())
-}
-
 impl Target {
-    /// Parse `http://host:port` (`[v6]:port` accepted; port defaults to 80).
+    /// Parse `http://host:port` (`[v6]:port` accepted; port defaults to 80). `timeout` bounds
+    /// connecting and every read and write.
     pub fn parse(url: &str, timeout: Duration) -> Result<Target, String> {
         let rest = url.strip_prefix("http://").ok_or_else(|| format!("{url:?}: only http:// targets are supported"))?;
         let authority = rest.trim_end_matches('/');
-        if authority.is_empty() || authority.contains('/') {
+        if authority.is_empty() || authority.contains(['/', '?', '#', '@']) {
             return Err(format!("{url:?}: expected http://host:port (the path is configured separately)"));
         }
-        let port_of = |p: &str| p.parse::<u16>().map_err(|_| format!("{url:?}: bad port {p:?}"));
-        let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-            let (h, rest) = v6.split_once(']').ok_or_else(|| format!("{url:?}: unterminated [ipv6]"))?;
-            match rest.strip_prefix(':') {
-                Some(p) => (h.to_owned(), port_of(p)?),
-                None if rest.is_empty() => (h.to_owned(), 80),
-                None => return Err(format!("{url:?}: bad authority")),
-            }
-        } else {
-            match authority.rsplit_once(':') {
-                Some((h, p)) => (h.to_owned(), port_of(p)?),
-                None => (authority.to_owned(), 80),
-            }
-        };
-        Ok(Target { host, port, authority: authority.to_owned(), timeout, conn: None })
+        let parsed: Authority = authority.parse().map_err(|e| format!("{url:?}: bad authority: {e}"))?;
+        // `Authority` keeps a port it cannot read: check it here.
+        let port = &authority[parsed.host().len()..];
+        if let Some(p) = port.strip_prefix(':') {
+            p.parse::<u16>().map_err(|_| format!("{url:?}: bad port {p:?}"))?;
+        } else if !port.is_empty() {
+            return Err(format!("{url:?}: bad authority"));
+        }
+        let config = Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .max_redirects(0)
+            .user_agent(AutoHeaderValue::None)
+            .accept(AutoHeaderValue::None)
+            .accept_encoding(AutoHeaderValue::None)
+            .timeout_connect(Some(timeout))
+            .timeout_per_read(Some(timeout))
+            .timeout_per_write(Some(timeout))
+            .build();
+        Ok(Target { base: format!("http://{authority}"), authority: authority.to_owned(), agent: config.into() })
     }
 
     /// The `host:port` this target connects to.
@@ -63,138 +70,19 @@ impl Target {
         &self.authority
     }
 
-    fn connect(&self) -> io::Result<BufReader<TcpStream>> {
-        let mut last = bad("no address");
-        for addr in (self.host.as_str(), self.port).to_socket_addrs()? {
-            match TcpStream::connect_timeout(&addr, self.timeout) {
-                Ok(s) => {
-                    s.set_read_timeout(Some(self.timeout))?;
-                    s.set_write_timeout(Some(self.timeout))?;
-                    s.set_nodelay(true)?;
-                    return Ok(BufReader::new(s));
-                }
-                Err(e) => last = e,
-            }
-        }
-        Err(last)
-    }
-
-    /// `POST path` with `headers` and `body`. A kept-alive connection that turns out closed is
-    /// replaced once; any other error drops the connection and is returned.
-    pub fn post(&mut self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> io::Result<Response> {
-        let reused = self.conn.is_some();
-        match self.post_once(path, headers, body) {
-            Ok(r) => Ok(r),
-            Err(_) if reused => {
-                self.conn = None;
-                self.post_once(path, headers, body)
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    fn post_once(&mut self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> io::Result<Response> {
-        if self.conn.is_none() {
-            self.conn = Some(self.connect()?);
-        }
-        let result = self.exchange(path, headers, body);
-        if result.is_err() {
-            self.conn = None;
-        }
-        result
-    }
-
-    fn exchange(&mut self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> io::Result<Response> {
-        let conn = self.conn.as_mut().ok_or_else(|| bad("not connected"))?;
-        let mut head = format!(
-            "POST {path} HTTP/1.1\r\nhost: {}\r\ncontent-length: {}\r\ncontent-type: application/msgpack\r\n",
-            self.authority,
-            body.len()
-        );
+    /// `POST path` with `headers` and `body` (`content-type: application/msgpack`). Any status is
+    /// a [`Response`]; transport errors, a header that cannot be sent and a body over
+    /// [`MAX_RESPONSE_BYTES`] are errors.
+    pub fn post(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<Response, ureq::Error> {
+        let mut request = self.agent.post(format!("{}{path}", self.base)).content_type("application/msgpack");
         for (k, v) in headers {
-            if k.contains(['\r', '\n', ':']) || v.contains(['\r', '\n']) {
-                return Err(bad(format!("header {k:?} cannot be sent")));
-            }
-            head.push_str(k);
-            head.push_str(": ");
-            head.push_str(v);
-            head.push_str("\r\n");
+            request = request.header(*k, *v);
         }
-        head.push_str("\r\n");
-        let stream = conn.get_mut();
-        stream.write_all(head.as_bytes())?;
-        stream.write_all(body)?;
-        stream.flush()?;
-        let (resp, keep) = read_response(conn)?;
-        if !keep {
-            self.conn = None;
-        }
-        Ok(resp)
+        let mut response = request.send(body)?;
+        let status = response.status().as_u16();
+        let body = response.body_mut().with_config().limit(MAX_RESPONSE_BYTES).read_to_vec()?;
+        Ok(Response { status, body })
     }
-}
-
-/// Read one response; returns it and whether the connection may be reused.
-pub fn read_response(r: &mut impl BufRead) -> io::Result<(Response, bool)> {
-    let mut line = String::new();
-    if r.read_line(&mut line)? == 0 {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed"));
-    }
-    let mut parts = line.split_whitespace();
-    let version = parts.next().unwrap_or("");
-    if !version.starts_with("HTTP/1.") {
-        return Err(bad(format!("not an HTTP/1.x status line: {line:?}")));
-    }
-    let status = parts.next().and_then(|s| s.parse::<u16>().ok()).ok_or_else(|| bad("bad status"))?;
-    let (mut length, mut chunked, mut keep) = (None, false, version == "HTTP/1.1");
-    loop {
-        line.clear();
-        if r.read_line(&mut line)? == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "headers cut short"));
-        }
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        let Some((k, v)) = l.split_once(':') else { return Err(bad(format!("bad header line {l:?}"))) };
-        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
-        match k.as_str() {
-            "content-length" => length = Some(v.parse::<usize>().map_err(|_| bad("bad content-length"))?),
-            "transfer-encoding" => chunked = v.eq_ignore_ascii_case("chunked"),
-            "connection" => keep = !v.eq_ignore_ascii_case("close"),
-            _ => {}
-        }
-    }
-    let mut body = Vec::new();
-    if chunked {
-        loop {
-            line.clear();
-            r.read_line(&mut line)?;
-            let size_text = line.trim().split(';').next().unwrap_or("");
-            let size = usize::from_str_radix(size_text, 16).map_err(|_| bad("bad chunk size"))?;
-            if body.len() + size > MAX_RESPONSE_BYTES {
-                return Err(bad("response too large"));
-            }
-            let start = body.len();
-            body.resize(start + size, 0);
-            r.read_exact(&mut body[start..])?;
-            line.clear();
-            r.read_line(&mut line)?;
-            if size == 0 {
-                break;
-            }
-        }
-    } else if let Some(n) = length {
-        if n > MAX_RESPONSE_BYTES {
-            return Err(bad("response too large"));
-        }
-        body.resize(n, 0);
-        r.read_exact(&mut body)?;
-    } else if status >= 200 && status != 204 && status != 304 {
-        // Delimited by the connection's end.
-        r.take(MAX_RESPONSE_BYTES as u64).read_to_end(&mut body)?;
-        keep = false;
-    }
-    Ok((Response { status, body }, keep))
 }
 
 #[cfg(test)]
@@ -202,27 +90,131 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::TcpListener;
+    use std::sync::mpsc::{channel, Receiver};
+
+    const T: Duration = Duration::from_secs(2);
+
     #[test]
     fn targets() {
-        let t = Target::parse("http://127.0.0.1:10000", Duration::from_secs(1)).unwrap();
-        assert_eq!((t.host.as_str(), t.port, t.authority()), ("127.0.0.1", 10000, "127.0.0.1:10000"));
-        let t = Target::parse("http://[::1]:8080/", Duration::from_secs(1)).unwrap();
-        assert_eq!((t.host.as_str(), t.port), ("::1", 8080));
-        assert_eq!(Target::parse("http://envoy", Duration::from_secs(1)).unwrap().port, 80);
-        assert!(Target::parse("https://x:1", Duration::from_secs(1)).is_err());
-        assert!(Target::parse("http://x:1/path", Duration::from_secs(1)).is_err());
-        assert!(Target::parse("http://x:notaport", Duration::from_secs(1)).is_err());
+        let t = Target::parse("http://127.0.0.1:10000", T).unwrap();
+        assert_eq!((t.authority(), t.base.as_str()), ("127.0.0.1:10000", "http://127.0.0.1:10000"));
+        assert_eq!(Target::parse("http://[::1]:8080/", T).unwrap().authority(), "[::1]:8080");
+        assert_eq!(Target::parse("http://envoy", T).unwrap().authority(), "envoy");
+        for bad in
+            ["https://x:1", "http://x:1/path", "http://x:notaport", "http://x:99999", "http://[::1", "http://u@x:1"]
+        {
+            assert!(Target::parse(bad, T).is_err(), "{bad}");
+        }
+    }
+
+    /// A request as the test server saw it: the number of its connection, its head (request
+    /// line, then lowercased header lines) and its body.
+    type Seen = (usize, Vec<String>, Vec<u8>);
+
+    /// A loopback server answering each request on one connection with the next of `replies`
+    /// (raw bytes); sends back every request it reads.
+    fn server(replies: Vec<Vec<u8>>) -> (String, Receiver<Seen>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            let mut replies = replies.into_iter();
+            for (n, conn) in listener.incoming().enumerate() {
+                let Ok(conn) = conn else { return };
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut w = conn;
+                loop {
+                    let mut head = Vec::new();
+                    loop {
+                        let mut line = String::new();
+                        if r.read_line(&mut line).unwrap_or(0) == 0 {
+                            break;
+                        }
+                        let line = line.trim_end().to_owned();
+                        if line.is_empty() {
+                            break;
+                        }
+                        head.push(if head.is_empty() { line } else { line.to_ascii_lowercase() });
+                    }
+                    if head.is_empty() {
+                        break;
+                    }
+                    let len =
+                        head.iter().find_map(|h| h.strip_prefix("content-length: ")).map_or(0, |v| v.parse().unwrap());
+                    let mut body = vec![0; len];
+                    r.read_exact(&mut body).unwrap();
+                    let _ = tx.send((n, head, body));
+                    let Some(reply) = replies.next() else { return };
+                    if w.write_all(&reply).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        (url, rx)
     }
 
     #[test]
-    fn responses() {
-        let mut r = &b"HTTP/1.1 409 Conflict\r\ncontent-length: 5\r\n\r\nhello"[..];
-        assert_eq!(read_response(&mut r).unwrap(), (Response { status: 409, body: b"hello".to_vec() }, true));
-        let mut r = &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"[..];
-        assert_eq!(read_response(&mut r).unwrap(), (Response { status: 200, body: b"abcde".to_vec() }, false));
-        let mut r = &b"SSH-2.0\r\n"[..];
-        assert!(read_response(&mut r).is_err());
-        let mut r = &b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort"[..];
-        assert!(read_response(&mut r).is_err());
+    fn posts_keep_the_connection_and_return_every_status() {
+        let replies = vec![
+            b"HTTP/1.1 409 Conflict\r\ncontent-length: 5\r\n\r\nhello".to_vec(),
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n".to_vec(),
+            b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n".to_vec(),
+        ];
+        let (url, rx) = server(replies);
+        let t = Target::parse(&url, T).unwrap();
+        let r = t.post("/kvroute/v1/events", &[("x-kvroute-seq", "7")], b"payload").unwrap();
+        assert_eq!(r, Response { status: 409, body: b"hello".to_vec() });
+        let (conn, head, body) = rx.recv_timeout(T).unwrap();
+        assert_eq!(head[0], "POST /kvroute/v1/events HTTP/1.1");
+        let mut fields = head[1..].to_vec();
+        fields.sort();
+        let host = format!("host: {}", t.authority());
+        assert_eq!(
+            fields,
+            ["content-length: 7", "content-type: application/msgpack", host.as_str(), "x-kvroute-seq: 7"]
+        );
+        assert_eq!((conn, body), (0, b"payload".to_vec()));
+
+        let r = t.post("/kvroute/v1/events", &[], b"").unwrap();
+        assert_eq!(r, Response { status: 200, body: b"abcde".to_vec() });
+        let (conn, head, body) = rx.recv_timeout(T).unwrap();
+        assert!(head.iter().any(|h| h == "content-length: 0"), "{head:?}");
+        assert_eq!((conn, body), (0, Vec::new()));
+
+        assert_eq!(t.post("/p", &[], b"x").unwrap().status, 401);
+        assert_eq!(rx.recv_timeout(T).unwrap().0, 0, "one kept-alive connection");
+    }
+
+    #[test]
+    fn a_closed_connection_is_replaced() {
+        let replies = vec![
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_vec(),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".to_vec(),
+        ];
+        let (url, rx) = server(replies);
+        let t = Target::parse(&url, T).unwrap();
+        assert_eq!(t.post("/p", &[], b"a").unwrap().status, 200);
+        assert_eq!(t.post("/p", &[], b"b").unwrap().status, 200);
+        assert_eq!(rx.recv_timeout(T).unwrap().0, 0);
+        assert_eq!(rx.recv_timeout(T).unwrap().0, 1);
+    }
+
+    #[test]
+    fn errors_are_returned() {
+        let too_large = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", MAX_RESPONSE_BYTES + 1).into_bytes();
+        let mut large = too_large.clone();
+        large.resize(too_large.len() + MAX_RESPONSE_BYTES as usize + 1, b'x');
+        let (url, _rx) = server(vec![large, b"SSH-2.0\r\n".to_vec()]);
+        let t = Target::parse(&url, T).unwrap();
+        assert!(matches!(t.post("/p", &[], b""), Err(ureq::Error::BodyExceedsLimit(_))));
+        assert!(t.post("/p", &[], b"").is_err());
+        assert!(t.post("/p", &[("bad\r\nheader", "v")], b"").is_err());
+        assert!(t.post("/p", &[("x-h", "a\r\nb")], b"").is_err());
+
+        let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        assert!(Target::parse(&format!("http://{dead}"), T).unwrap().post("/p", &[], b"").is_err());
     }
 }
