@@ -13,7 +13,7 @@ use crate::admission;
 use crate::config::{IndexMode, Policy};
 use crate::decision::{self, Decision, Mode, ModeInputs, Rule};
 use crate::effect::RoutingEffect;
-use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointTable, MetricsSnapshot, Role};
+use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointState, EndpointTable, MetricsSnapshot, Role};
 use crate::error::{ConfigError, EventIngestError, RouteError, StateError};
 use crate::events::EventBatch;
 use crate::hashing::{ApproxHashing, RequestKeys};
@@ -479,6 +479,24 @@ impl Router {
                 events_healthy: st.kv.healthy(s as usize, st.last_now_ms),
             })
             .collect()
+    }
+
+    /// Where to send a request the router could not route (fail-open), or `None` when no
+    /// endpoint is registered.
+    ///
+    /// Not a routing decision: it keeps traffic flowing while something is wrong (a body the
+    /// engine will reject itself, no decode-capable endpoint, a binding's internal error). It
+    /// picks the endpoint with the fewest router-tracked requests in flight (then the shortest
+    /// reported queue, then id order) among healthy decode-capable endpoints, else among healthy
+    /// endpoints, else among all. Nothing is recorded: the request is not tracked in flight.
+    pub fn fail_open_endpoint(&self) -> Option<Arc<str>> {
+        let st = self.lock();
+        let load = |e: &&EndpointState| (e.inflight, e.metrics.as_ref().map_or(0, |m| m.waiting));
+        let tiers: [fn(&EndpointState) -> bool; 3] = [|e| e.healthy && e.role.decodes(), |e| e.healthy, |_| true];
+        tiers.iter().find_map(|keep| {
+            let all = st.endpoints.order().iter().filter_map(|&s| st.endpoints.get(s));
+            all.filter(|e| keep(e)).min_by_key(load).map(|e| e.id.clone())
+        })
     }
 
     /// A snapshot of sizes and counters.

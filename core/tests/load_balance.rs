@@ -1,10 +1,11 @@
 //! Cache locality vs load balance: the anti-collapse trade-off is made exactly as configured, and a
-//! hot shared prefix spreads once its endpoint saturates.
+//! hot shared prefix spreads once its endpoint saturates; the fail-open
+//! destination.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router};
+use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, RouteRequest, Router};
 
 fn metrics(waiting: u32, now: u64) -> MetricsSnapshot {
     MetricsSnapshot { waiting, running: 0, kv_usage: 0.3, updated_ms: now, ..Default::default() }
@@ -143,4 +144,26 @@ fn hot_shared_prefix_spreads_once_its_endpoint_saturates() {
     let max = *high.per_endpoint.values().max().unwrap() as f64;
     assert!(max < 2.0 * 400.0 / 8.0, "{:?}", high.per_endpoint);
     assert_eq!(high.holders, 8);
+}
+
+#[test]
+fn fail_open_endpoint_prefers_healthy_decoders_with_the_fewest_requests_in_flight() {
+    let r = Router::default();
+    assert_eq!(r.fail_open_endpoint(), None, "no endpoint registered");
+    for (id, role) in [("10.0.0.1:1", Role::Decode), ("10.0.0.2:1", Role::Decode), ("10.0.0.3:1", Role::Prefill)] {
+        r.upsert_endpoint(EndpointSpec::new(id, role)).unwrap();
+    }
+    assert_eq!(r.fail_open_endpoint().as_deref(), Some("10.0.0.1:1"), "ties go in id order");
+    let d = r.route(&RouteRequest::text("m", "hello"), 0).unwrap();
+    let busy = d.endpoint.unwrap();
+    let other = if &*busy == "10.0.0.1:1" { "10.0.0.2:1" } else { "10.0.0.1:1" };
+    assert_eq!(r.fail_open_endpoint().as_deref(), Some(other), "fewest in flight");
+    let inflight_before = r.stats().inflight_requests;
+    r.fail_open_endpoint();
+    assert_eq!(r.stats().inflight_requests, inflight_before, "nothing is recorded");
+    r.set_healthy("10.0.0.1:1", false).unwrap();
+    r.set_healthy("10.0.0.2:1", false).unwrap();
+    assert_eq!(r.fail_open_endpoint().as_deref(), Some("10.0.0.3:1"), "any healthy endpoint");
+    r.set_healthy("10.0.0.3:1", false).unwrap();
+    assert!(r.fail_open_endpoint().is_some(), "any endpoint at all");
 }

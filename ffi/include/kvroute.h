@@ -772,6 +772,28 @@ kvroute_result kvroute_router_policy_json(const struct kvroute_router *router,
                                           size_t buf_len,
                                           size_t *needed);
 
+// Copy the fail-open destination, `ip:port`: where to send a request the router could not
+// route (a request error, no decode-capable endpoint, the host's own failure), so traffic keeps
+// flowing. The least-loaded endpoint by router-tracked requests in flight (then reported queue),
+// preferring healthy decode-capable endpoints, then healthy ones, then any. Not a routing
+// decision: nothing is recorded and there is nothing to complete. `KVROUTE_RESULT_ABSENT` when
+// no endpoint is registered.
+//
+// Strings out as in `kvroute_router_policy_json`. Thread safety: any thread.
+//
+// Ownership: `router` stays the caller's; the text is copied into the caller's `buf`, nothing
+// to free. NULL: `router` must not be NULL (`KVROUTE_RESULT_NULL_ARGUMENT`); `buf` may be NULL
+// only when `buf_len` is 0; `needed` may be NULL.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `buf` is NULL or valid for `buf_len` bytes; `needed` is
+// NULL or valid for one write.
+kvroute_result kvroute_router_fail_open_endpoint(const struct kvroute_router *router,
+                                                 char *buf,
+                                                 size_t buf_len,
+                                                 size_t *needed);
+
 // Register an endpoint (`ip:port`, IPv4 or bracketed IPv6, NUL-terminated) with a role
 // (`KVROUTE_ROLE_*`), or change the role of a registered one.
 //

@@ -392,6 +392,39 @@ pub unsafe extern "C" fn kvroute_router_policy_json(
     })
 }
 
+/// Copy the fail-open destination, `ip:port`: where to send a request the router could not
+/// route (a request error, no decode-capable endpoint, the host's own failure), so traffic keeps
+/// flowing. The least-loaded endpoint by router-tracked requests in flight (then reported queue),
+/// preferring healthy decode-capable endpoints, then healthy ones, then any. Not a routing
+/// decision: nothing is recorded and there is nothing to complete. `KVROUTE_RESULT_ABSENT` when
+/// no endpoint is registered.
+///
+/// Strings out as in `kvroute_router_policy_json`. Thread safety: any thread.
+///
+/// Ownership: `router` stays the caller's; the text is copied into the caller's `buf`, nothing
+/// to free. NULL: `router` must not be NULL (`KVROUTE_RESULT_NULL_ARGUMENT`); `buf` may be NULL
+/// only when `buf_len` is 0; `needed` may be NULL.
+///
+/// # Safety
+///
+/// `router` is NULL or a live router; `buf` is NULL or valid for `buf_len` bytes; `needed` is
+/// NULL or valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn kvroute_router_fail_open_endpoint(
+    router: *const kvroute_router,
+    buf: *mut c_char,
+    buf_len: usize,
+    needed: *mut usize,
+) -> kvroute_result {
+    guard("kvroute_router_fail_open_endpoint", || {
+        // SAFETY: the caller's contract for `router`.
+        let r = unsafe { self::router(router) }?;
+        let id = r.fail_open_endpoint().ok_or_else(|| Error::absent("a fail-open endpoint (none is registered)"))?;
+        // SAFETY: the caller's contract for `buf` and `needed`.
+        unsafe { ptr::copy_str(id.as_bytes(), buf, buf_len, needed) }
+    })
+}
+
 /// Register an endpoint (`ip:port`, IPv4 or bracketed IPv6, NUL-terminated) with a role
 /// (`KVROUTE_ROLE_*`), or change the role of a registered one.
 ///

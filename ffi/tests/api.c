@@ -118,6 +118,20 @@ static void config_and_endpoints(void) {
     CHECK(!snap.has_max_lora && snap.lora_running_count == 0);
     CHECK_OK(kvroute_router_update_metrics_from_prometheus(r, D2, page, strlen(page), 901, NULL));
 
+    /* Fail-open destination: the healthy decode-capable endpoint (D2 is unhealthy now); a too
+     * small buffer is left untouched; a router without endpoints has none. */
+    char fo[32];
+    size_t fo_need = 0;
+    memset(fo, 'x', sizeof fo);
+    CHECK_CODE(kvroute_router_fail_open_endpoint(r, fo, 4, &fo_need), KVROUTE_RESULT_BUFFER_TOO_SMALL);
+    CHECK(fo_need == strlen(D1) + 1 && fo[0] == 'x');
+    CHECK_OK(kvroute_router_fail_open_endpoint(r, fo, sizeof fo, NULL));
+    CHECK(strcmp(fo, D1) == 0);
+    kvroute_router *empty = NULL;
+    CHECK_OK(kvroute_router_new(NULL, 0, &empty));
+    CHECK_CODE(kvroute_router_fail_open_endpoint(empty, fo, sizeof fo, NULL), KVROUTE_RESULT_ABSENT);
+    kvroute_router_free(empty);
+
     char *eps = dup_router_text(kvroute_router_endpoints_json, r);
     CHECK(eps != NULL);
     if (eps) {

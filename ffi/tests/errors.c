@@ -79,6 +79,7 @@ static void null_arguments(void) {
     CHECK_CODE(kvroute_router_stats_json(NULL, NULL, 0, NULL), KVROUTE_RESULT_NULL_ARGUMENT);
     CHECK_CODE(kvroute_router_endpoints_json(NULL, NULL, 0, NULL), KVROUTE_RESULT_NULL_ARGUMENT);
     CHECK_CODE(kvroute_router_policy_json(NULL, NULL, 0, NULL), KVROUTE_RESULT_NULL_ARGUMENT);
+    CHECK_CODE(kvroute_router_fail_open_endpoint(NULL, NULL, 0, NULL), KVROUTE_RESULT_NULL_ARGUMENT);
     CHECK_CODE(kvroute_router_record_effects(NULL, true), KVROUTE_RESULT_NULL_ARGUMENT);
     CHECK_CODE(kvroute_router_apply_effect(r, NULL, 3), KVROUTE_RESULT_NULL_ARGUMENT);
     CHECK(kvroute_router_policy_version(NULL) == 0);

@@ -294,6 +294,13 @@ impl Router {
         Ok(list)
     }
 
+    /// Where to send a request that could not be routed (a `RequestError`, a gateway's own
+    /// failure), so traffic keeps flowing: the least-loaded endpoint, preferring healthy
+    /// decode-capable ones. Not a decision: nothing is recorded. `None` without endpoints.
+    fn fail_open_endpoint(&self, py: Python<'_>) -> Option<String> {
+        py.detach(|| self.inner.fail_open_endpoint()).map(|e| e.to_string())
+    }
+
     /// The router's own metrics in Prometheus text exposition format (decisions by mode and
     /// rule, prefix-hit histogram, index sizes, event-stream health, lag and replays, reloads).
     #[pyo3(signature = (*, now = None))]

@@ -187,6 +187,24 @@ def test_no_endpoints() -> None:
     unchanged(r, lambda: r.route(chat("x"), now=NOW), kvroute.StateError)
 
 
+def test_fail_open_endpoint_after_a_routing_error() -> None:
+    r = kvroute.Router()
+    assert r.fail_open_endpoint() is None
+    r.upsert_endpoint("10.0.1.1:8000", "prefill")
+    r.upsert_endpoint("10.0.0.1:8000", "decode")
+    r.upsert_endpoint("10.0.0.2:8000", "decode")
+    unchanged(r, lambda: r.route(b"{not json", now=NOW), kvroute.RequestError)
+    # The core's fail-open pick: healthy decode-capable, fewest in flight, then id order.
+    assert r.fail_open_endpoint() == "10.0.0.1:8000"
+    d = r.route(chat("x"), now=NOW)
+    other = "10.0.0.2:8000" if d.endpoint == "10.0.0.1:8000" else "10.0.0.1:8000"
+    assert r.fail_open_endpoint() == other
+    r.set_healthy("10.0.0.1:8000", False)
+    r.set_healthy("10.0.0.2:8000", False)
+    assert r.fail_open_endpoint() == "10.0.1.1:8000"
+    assert r.stats()["inflight_requests"] == 1, "the fail-open pick records nothing"
+
+
 def test_unknown_request(router: kvroute.Router) -> None:
     err = unchanged(router, lambda: router.complete("never-routed"), kvroute.StateError)
     assert isinstance(err, kvroute.StateError)

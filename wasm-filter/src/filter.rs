@@ -582,14 +582,15 @@ impl Http {
         Action::Continue
     }
 
-    /// Route to the least-loaded endpoint (or reject, when fail-open is off). Request headers
+    /// Route to the core's fail-open endpoint (`Router::fail_open_endpoint`: least loaded), or
+    /// reject when fail-open is off. Request headers
     /// must still be paused.
     fn fail_open(&mut self, reason: &str, error: Option<serde_json::Value>) -> Action {
         self.phase = Phase::Done;
         let (target, enabled, status) = match self.shared.active.try_borrow() {
             Ok(slot) => match slot.as_ref() {
                 Some(a) => (
-                    crate::fallback::least_loaded(&a.router.endpoints()).map(|e| e.id.to_string()),
+                    a.router.fail_open_endpoint().map(|e| e.to_string()),
                     a.cfg.filter.fail_open.enabled,
                     a.cfg.filter.fail_open.reject_status,
                 ),
@@ -861,9 +862,7 @@ impl HttpContext for Http {
             self.shared.bump(Counter::Bodyless);
             self.phase = Phase::Done;
             let target = match self.shared.active.try_borrow() {
-                Ok(slot) => slot
-                    .as_ref()
-                    .and_then(|a| crate::fallback::least_loaded(&a.router.endpoints()).map(|e| e.id.to_string())),
+                Ok(slot) => slot.as_ref().and_then(|a| a.router.fail_open_endpoint().map(|e| e.to_string())),
                 Err(_) => None,
             };
             if let Some(t) = target {

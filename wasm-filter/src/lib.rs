@@ -11,19 +11,17 @@
 //! - [`sync`]: a replicated log in shared data, so the per-worker VMs share routing state;
 //! - metric polling through HTTP callouts by one elected VM;
 //! - [`ingest`]: authenticated KV-event ingestion (batches POSTed by `kvroute-relay`);
-//! - [`fallback`]: fail-open routing when the core cannot decide.
 //!
 //! Build: `cargo build -p kvroute-wasm --target wasm32-wasip1 --profile wasm-release`, which
 //! writes `target/wasm32-wasip1/wasm-release/kvroute_filter.wasm`. `wasm-filter/README.md` is
 //! the operator guide; `wasm-filter/envoy.yaml` a complete Envoy configuration.
 //!
-//! The pure parts (configuration, log protocol, ingestion protocol, fallback, counters) build and
+//! The pure parts (configuration, log protocol, ingestion protocol, counters) build and
 //! are unit-tested natively; the proxy-wasm glue exists only on wasm32 and is tested through the
 //! wasmtime host in `wasm-filter/tests`.
 
 pub mod config;
 pub mod counters;
-pub mod fallback;
 pub mod ingest;
 pub mod sync;
 
