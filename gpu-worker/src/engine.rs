@@ -46,6 +46,9 @@ pub(crate) enum Command {
     CachedKeys { reply: Reply<Vec<u64>> },
     /// Forget the prefix cache (refused while blocks are held).
     ResetPrefixCache { reply: Reply<bool> },
+    /// Hold (`true`) or resume (`false`) scheduling: while held, submissions queue up and no
+    /// step runs (so tests can line requests up deterministically).
+    Hold(bool),
     /// Stop: abort everything.
     Shutdown,
 }
@@ -228,6 +231,7 @@ pub(crate) struct Engine {
     publisher: Option<mpsc::Sender<Batch>>,
     shared: Arc<Shared>,
     scratch: Vec<u8>,
+    held: bool,
 }
 
 fn unix_now() -> f64 {
@@ -257,13 +261,14 @@ impl Engine {
             publisher,
             shared,
             scratch: Vec::new(),
+            held: false,
         }
     }
 
     /// Run until `Shutdown` (or every sender is gone).
     pub(crate) fn run(mut self, rx: &mpsc::Receiver<Command>) {
         loop {
-            let idle = self.running.is_empty() && self.waiting.is_empty();
+            let idle = self.held || (self.running.is_empty() && self.waiting.is_empty());
             let first = if idle {
                 match rx.recv_timeout(Duration::from_millis(100)) {
                     Ok(c) => Some(c),
@@ -284,7 +289,8 @@ impl Engine {
                 break;
             }
             self.expire_pins();
-            if !(self.running.is_empty() && self.waiting.is_empty()) {
+            let has_work = !(self.running.is_empty() && self.waiting.is_empty());
+            if has_work && !self.held {
                 self.step();
             }
             self.flush_events();
@@ -315,6 +321,7 @@ impl Engine {
                 }
                 reply(ok);
             }
+            Command::Hold(on) => self.held = on,
             Command::Shutdown => return true,
         }
         false

@@ -420,6 +420,13 @@ impl WorkerHandle {
         out
     }
 
+    /// Test hook: hold (`true`) or resume (`false`) the scheduler. While held, requests are
+    /// accepted and wait in the queue (the `waiting` gauge counts them) but no step runs, so a
+    /// test can line requests up without depending on thread timing.
+    pub fn hold_scheduler(&self, hold: bool) -> Result<(), WorkerError> {
+        self.engine.send(Command::Hold(hold)).map_err(|_| WorkerError::EngineStopped)
+    }
+
     /// Forget the prefix cache (`AllBlocksCleared`); `false` while requests hold blocks.
     pub fn reset_prefix_cache(&self) -> Result<bool, WorkerError> {
         self.query(|reply| Command::ResetPrefixCache { reply })

@@ -150,25 +150,34 @@ def test_threads_share_one_router_while_routes_stay_in_flight() -> None:
 def test_the_gil_is_released_during_core_calls() -> None:
     """While one thread is inside a long core call (a simulation), another Python thread keeps
     running: it records ticks strictly inside the call's time window. A call holding the GIL
-    would let no Python code run until it returned."""
+    would let no Python code run until it returned, on any machine, in every attempt; a call
+    that releases it shows ticks inside as soon as the scheduler gives the ticker a turn. On a
+    busy machine one attempt may see the ticker starved of CPU, so the call is repeated (up to
+    ATTEMPTS times) until one shows the ticks: the verdict depends on the GIL, not on load."""
     import time
 
-    ticks: list[float] = []
-    stop = threading.Event()
+    attempts = 10
+    seen: list[tuple[int, float]] = []
+    for _ in range(attempts):
+        ticks: list[float] = []
+        stop = threading.Event()
 
-    def ticker() -> None:
-        while not stop.is_set():
-            ticks.append(time.perf_counter())
-            time.sleep(0.001)
+        def ticker() -> None:
+            while not stop.is_set():
+                ticks.append(time.perf_counter())
+                time.sleep(0.001)
 
-    th = threading.Thread(target=ticker)
-    th.start()
-    time.sleep(0.01)
-    t0 = time.perf_counter()
-    kvroute.simulate(sessions=400, endpoints=4, policies=["kvroute"])
-    t1 = time.perf_counter()
-    stop.set()
-    th.join()
-    margin = 0.05 * (t1 - t0)
-    inside = [t for t in ticks if t0 + margin < t < t1 - margin]
-    assert len(inside) >= 3, f"{len(inside)} ticks during a {t1 - t0:.3f} s call"
+        th = threading.Thread(target=ticker)
+        th.start()
+        time.sleep(0.01)
+        t0 = time.perf_counter()
+        kvroute.simulate(sessions=400, endpoints=4, policies=["kvroute"])
+        t1 = time.perf_counter()
+        stop.set()
+        th.join()
+        margin = 0.05 * (t1 - t0)
+        inside = [t for t in ticks if t0 + margin < t < t1 - margin]
+        seen.append((len(inside), t1 - t0))
+        if len(inside) >= 3:
+            return
+    raise AssertionError(f"no attempt saw 3 ticks inside the call (ticks, call seconds): {seen}")
