@@ -700,6 +700,7 @@ mod tests {
             lora_name: None,
             group_idx: None,
             cache_salt: None,
+            ..Default::default()
         })
     }
 
@@ -739,6 +740,7 @@ mod tests {
                     block_hashes: vec![103],
                     medium: Medium::Gpu,
                     group_idx: None,
+                    ..Default::default()
                 })],
             ),
             Some(2),
@@ -778,6 +780,7 @@ mod tests {
             lora_name: None,
             group_idx: None,
             cache_salt: None,
+            ..Default::default()
         });
         ix.apply(0, &batch(1.0, vec![ev]), None);
         let k = request_keys(&ix, 0..130);
@@ -791,6 +794,7 @@ mod tests {
                     block_hashes: vec![8],
                     medium: Medium::Gpu,
                     group_idx: None,
+                    ..Default::default()
                 })],
             ),
             None,
@@ -807,6 +811,7 @@ mod tests {
             lora_name: None,
             group_idx: None,
             cache_salt: None,
+            ..Default::default()
         });
         ix.apply(0, &batch(3.0, vec![odd]), None);
         assert_eq!(ix.stats().malformed_events, 1);
