@@ -9,6 +9,35 @@
 //! keys of the stored blocks by chaining over their token ids, stores them and remembers
 //! engine key → request keys. `BlockRemoved` maps engine keys back to request keys the same way.
 //!
+//! **Blocks the router cannot key from token ids.** A block whose extra keys carry values the
+//! router cannot compute — vLLM's multimodal `(mm_hash, offset)` pairs, prompt-embeds digests
+//! (see [`BlockStored::content_keys`]) — gets, for its first index block, a key moved off the
+//! text chain (a fixed-seed mix of the text key and the content fingerprint); its other index
+//! blocks and every later block chain from it. A request of the same token ids (placeholder
+//! tokens included) therefore matches up to the block before the image and never past it. The
+//! cache_salt and LoRA name, which the router knows, stay in the chain's root.
+//!
+//! **Engine keys already mapped** are reused rather than recomputed: the engine's hash covers
+//! tokens, parent and every extra key, so a known engine key names the same content. This keeps
+//! blocks that an offloading connector re-announces without their extra keys (vLLM 0.33's
+//! offloading events carry none) keyed as the GPU event first reported them. A hash-only
+//! store (`token_ids` empty, e.g. the offloading connector's placeholder events) is placed
+//! entirely through the map; hashes the map does not know are counted as orphans.
+//!
+//! **Lookahead** (vLLM `num_hash_lookahead_tokens` = L): the engine's block hash also covers the
+//! L tokens after the block, which are the next block's first tokens, so the dual chain already
+//! depends on them from the next block on; only the last matched block of a request that
+//! diverges within those L tokens can be credited without being servable (at most one block).
+//!
+//! **Repeated stores.** A GPU re-store (vLLM `kv_cache_report_mode="full"` re-emits
+//! `BlockStored` for prefix hits) is a touch; offload-tier stores are reference-counted per
+//! (block, endpoint, tier) by the block store (see [`crate::index`]), so a hash announced twice
+//! on CPU needs two removals.
+//!
+//! With engine keys (`index.precise.keys = "engine"`) the event's hashes are the index keys. A
+//! request never has multimodal hashes, so no text request reproduces an image block's key or
+//! any key chained after it: nothing is claimed past such a block.
+//!
 //! Unknown parents: a `BlockStored` whose parent engine key is not in the map (the subscriber
 //! joined after the parent was stored, or the map forgot it) cannot be placed in the chain, so
 //! its blocks are not indexed and are counted in [`PreciseStats::orphan_blocks`]. Nothing wrong is
@@ -34,7 +63,7 @@ use serde::Serialize;
 
 use crate::config::{KeyScheme, PolicyConfig, PreciseConfig};
 use crate::engine_hash::{BlockExtras, EngineHasher, ExtraKeysForm, LoraAdapter};
-use crate::events::{EventBatch, KvEvent};
+use crate::events::{BlockStored, EventBatch, KvEvent};
 use crate::hashing::{BlockKey, DualKeyHashing, RequestKeys};
 use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use crate::request::{Prompt, RouteRequest};
@@ -154,6 +183,13 @@ fn engine_keys(
         out.anchor ^= out.keys.last().copied().unwrap_or(0);
     }
     true
+}
+
+/// The request key of an index block whose engine block carries content keys (see
+/// [`BlockStored::content_keys`]): a fixed-seed mix of the text chain's key and the content
+/// fingerprint, never equal to a key a token-id request computes (up to 64-bit collisions).
+fn content_key(text_key: u64, content: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(&content.to_le_bytes(), text_key ^ 0x6d6d_2d62_6c6f_636b)
 }
 
 /// The expiry tick of a speculation (16 ms resolution, 15 bits: wraps after about 8.7 minutes,
@@ -539,41 +575,7 @@ impl KvIndex {
                 self.stats.blocks_removed += r.block_hashes.len() as u64;
                 r.block_hashes.len() as u64
             }
-            (KvEvent::BlockStored(s), KeyScheme::Dual) => {
-                let bs = s.block_size as usize;
-                let ib = self.hashing.block_tokens as usize;
-                let n = s.block_hashes.len();
-                if bs == 0 || bs % ib != 0 || s.token_ids.len() < n * bs {
-                    self.stats.malformed_events += 1;
-                    return 0;
-                }
-                let mut parent = match s.parent_block_hash {
-                    None => DualKeyHashing::root(s.lora_name.as_deref(), s.cache_salt.as_deref()),
-                    Some(p) => match self.map.get(p) {
-                        Some(keys) => keys.last(),
-                        None => {
-                            self.stats.orphan_blocks += n as u64;
-                            return 0;
-                        }
-                    },
-                };
-                self.scratch_keys.clear();
-                for (i, &engine) in s.block_hashes.iter().enumerate() {
-                    let start = self.scratch_keys.len();
-                    parent = self.hashing.chain(
-                        parent,
-                        &s.token_ids[i * bs..(i + 1) * bs],
-                        &mut self.scratch_keys,
-                        &mut self.scratch_bytes,
-                    );
-                    let keys = &self.scratch_keys[start..];
-                    let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
-                    self.map.insert(engine, entry);
-                }
-                self.blocks.store(&self.scratch_keys, slot, s.medium);
-                self.stats.blocks_stored += n as u64;
-                n as u64
-            }
+            (KvEvent::BlockStored(s), KeyScheme::Dual) => self.store_dual(slot, s),
             (KvEvent::BlockRemoved(r), KeyScheme::Dual) => {
                 self.scratch_keys.clear();
                 for &engine in &r.block_hashes {
@@ -590,6 +592,79 @@ impl KvIndex {
                 0
             }
         }
+    }
+
+    /// A `BlockStored` under dual keys (see the module docs, "Keys").
+    fn store_dual(&mut self, slot: usize, s: &BlockStored) -> u64 {
+        let n = s.block_hashes.len();
+        self.scratch_keys.clear();
+        if s.token_ids.is_empty() && n > 0 {
+            // Hash-only announcement (an offloading connector re-announcing blocks: no token
+            // ids, no parent): only blocks whose engine key is already mapped can be placed.
+            let mut placed = 0u64;
+            for &engine in &s.block_hashes {
+                match self.map.get(engine) {
+                    Some(keys) => {
+                        self.scratch_keys.extend_from_slice(keys.as_slice());
+                        placed += 1;
+                    }
+                    None => self.stats.orphan_blocks += 1,
+                }
+            }
+            self.blocks.store(&self.scratch_keys, slot, s.medium);
+            self.stats.blocks_stored += placed;
+            return placed;
+        }
+        let bs = s.block_size as usize;
+        let ib = self.hashing.block_tokens as usize;
+        if bs == 0 || bs % ib != 0 || s.token_ids.len() < n * bs {
+            self.stats.malformed_events += 1;
+            return 0;
+        }
+        let mut parent = match s.parent_block_hash {
+            None => DualKeyHashing::root(s.lora_name.as_deref(), s.cache_salt.as_deref()),
+            Some(p) => match self.map.get(p) {
+                Some(keys) => keys.last(),
+                None => {
+                    self.stats.orphan_blocks += n as u64;
+                    return 0;
+                }
+            },
+        };
+        for (i, &engine) in s.block_hashes.iter().enumerate() {
+            // An engine key already mapped names the same content (the engine's hash covers
+            // tokens, parent and every extra key): reuse its request keys. This keeps blocks
+            // re-announced without their extra keys (vLLM's offloading events carry none) keyed
+            // as the engine first reported them.
+            if let Some(keys) = self.map.get(engine) {
+                self.scratch_keys.extend_from_slice(keys.as_slice());
+                parent = keys.last();
+                continue;
+            }
+            let start = self.scratch_keys.len();
+            let tokens = &s.token_ids[i * bs..(i + 1) * bs];
+            let content = s.content_keys.get(i).copied().unwrap_or(0);
+            if content == 0 {
+                parent = self.hashing.chain(parent, tokens, &mut self.scratch_keys, &mut self.scratch_bytes);
+            } else {
+                // Extra keys the router cannot compute (multimodal, prompt embeds): the block's
+                // first index key is moved off the text chain, so it and every key chained
+                // from it differ from what a request of the same token ids computes.
+                let (head, tail) = tokens.split_at(ib);
+                let first = self.hashing.chain(parent, head, &mut self.scratch_keys, &mut self.scratch_bytes);
+                let moved = content_key(first, content);
+                if let Some(k) = self.scratch_keys.last_mut() {
+                    *k = moved;
+                }
+                parent = self.hashing.chain(moved, tail, &mut self.scratch_keys, &mut self.scratch_bytes);
+            }
+            let keys = &self.scratch_keys[start..];
+            let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
+            self.map.insert(engine, entry);
+        }
+        self.blocks.store(&self.scratch_keys, slot, s.medium);
+        self.stats.blocks_stored += n as u64;
+        n as u64
     }
 
     /// Give up on a gapped stream: drop the endpoint's entries, forget its sequence (the next batch
