@@ -326,3 +326,31 @@ fn sglang_capture_with_empty_salt_and_lowercase_cpu() {
     let ids: Vec<u32> = (0..16).collect();
     assert_eq!(matched(&r, &ids, None, A, 2), 1);
 }
+
+// ---------------------------------------------------------------------------------------------
+// (c) lookahead hashing with engine keys
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn engine_keys_follow_a_lookahead_engine_when_configured() {
+    // A vLLM 0.33 engine with num_hash_lookahead_tokens = 2 hashes block i with extra keys
+    // (None, t[end], t[end+1]) and publishes lookahead_token_ids; 66 tokens give 4 blocks.
+    let h = EngineHasher::new(HashAlgo::Sha256, ExtraKeysForm::Tagged, NoneHashSeed::Default, 16)
+        .unwrap()
+        .with_lookahead(2);
+    let ids: Vec<u32> = (0..66).collect();
+    let (mut scratch, mut keys) = (Vec::new(), Vec::new());
+    h.block_keys(&ids, &kvroute::engine_hash::BlockExtras::default(), &mut scratch, &mut keys).unwrap();
+    assert_eq!(keys.len(), 4);
+    let la = V::Arr((0..4u64).map(|b| uints([16 * (b + 1), 16 * (b + 1) + 1])).collect());
+    let ev = payload(vec![stored(&keys, None, 0..64, "GPU", vec![("lookahead_token_ids", la)])]);
+    let with = router(r#"{"index":{"mode":"precise","precise":{"keys":"engine","engine":{"lookahead_tokens":2}}}}"#);
+    with.apply_events(A, &ev, Some(0), 1).unwrap();
+    assert_eq!(matched(&with, &ids, None, A, 1), 4);
+    // The request must carry the lookahead tokens of its last block to be credited with it.
+    assert_eq!(matched(&with, &ids[..65], None, A, 2), 3);
+    // Configured without lookahead, the router computes other keys and claims nothing.
+    let without = router(ENGINE);
+    without.apply_events(A, &ev, Some(0), 1).unwrap();
+    assert_eq!(matched(&without, &ids, None, A, 1), 0);
+}
