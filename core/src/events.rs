@@ -72,7 +72,17 @@
 //! iterative (no recursion, so no stack overflow on deeply nested input).
 //!
 //! The decoder is a single forward pass over the borrowed bytes: it allocates only the output
-//! (`events`, and per `BlockStored` the hash and token vectors and an optional LoRA name).
+//! (`events`, and per `BlockStored` the hash and token vectors, the optional strings, and the
+//! content keys and lookahead tokens when the event has them).
+//!
+//! # Offload re-announcements and repeated stores
+//!
+//! vLLM 0.33's offloading connector publishes hash-only placeholder stores (`token_ids` `[]`,
+//! `block_size` 0, parent nil) and, with self-describing events, chunk-granular stores that
+//! re-announce shared hashes once per chunk; `kv_cache_report_mode="full"` re-emits GPU
+//! `BlockStored` for prefix hits. They decode like any other event; what they mean for the
+//! index (reference counts on offload tiers, idempotent GPU re-stores, placing hash-only
+//! stores) is the precise index's business (see [`crate::precise`]).
 
 // Why `rmp` and not `rmpv`/`rmp-serde`: `rmpv` materialises every value (a boxed `Value` per token
 // id, a `String` per key) before we could look at it, which would cost more than the rest of
