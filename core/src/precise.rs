@@ -893,6 +893,41 @@ mod tests {
     }
 
     #[test]
+    fn content_keys_move_an_engine_block_off_the_text_chain_from_its_first_index_block() {
+        let mut cfg = PolicyConfig::default();
+        cfg.index.precise.engine_block_tokens = 64;
+        cfg.index.precise.index_block_tokens = 16;
+        let mut ix = KvIndex::new(&cfg, 0, 1 << 14);
+        ix.activate(0);
+        // Three engine blocks of 64 tokens; the middle one holds an image.
+        let ev = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![7, 8, 9],
+            token_ids: (0..192).collect(),
+            block_size: 64,
+            content_keys: vec![0, 0xfeed, 0],
+            ..Default::default()
+        });
+        ix.apply(0, &batch(1.0, vec![ev]), None);
+        let k = request_keys(&ix, 0..192);
+        assert_eq!(k.keys.len(), 12);
+        assert_eq!(matched(&ix, &k), vec![4], "the engine block before the image, nothing of it or after");
+        // The same tokens without content keys on another endpoint match in full, and the
+        // image chain's removal goes through the map like any other.
+        ix.activate(1);
+        let text = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![17, 18, 19],
+            token_ids: (0..192).collect(),
+            block_size: 64,
+            ..Default::default()
+        });
+        ix.apply(1, &batch(2.0, vec![text]), None);
+        assert_eq!(matched(&ix, &k), vec![4, 12]);
+        let rm = KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![8, 9], ..Default::default() });
+        ix.apply(0, &batch(3.0, vec![rm]), None);
+        assert_eq!(ix.blocks().memberships_of(0), 4);
+    }
+
+    #[test]
     fn sequence_tracking() {
         let mut ix = index();
         let b = |ts| batch(ts, vec![stored(&[101], None, 0, Medium::Gpu)]);
