@@ -17,10 +17,12 @@
 //! tokens included) therefore matches up to the block before the image and never past it. The
 //! cache_salt and LoRA name, which the router knows, stay in the chain's root.
 //!
-//! **Engine keys already mapped** are reused rather than recomputed: the engine's hash covers
-//! tokens, parent and every extra key, so a known engine key names the same content. This keeps
-//! blocks that an offloading connector re-announces without their extra keys (vLLM 0.33's
-//! offloading events carry none) keyed as the GPU event first reported them. A hash-only
+//! **Engine keys already mapped** are reused rather than recomputed by offload-tier (CPU,
+//! storage) stores: the engine's hash covers tokens, parent and every extra key, so a known
+//! engine key names the same content. This keeps blocks that an offloading connector
+//! re-announces without their extra keys (vLLM 0.33's offloading events carry none) keyed as
+//! the GPU event first reported them. (GPU events carry their extra keys and are recomputed,
+//! which spares the hot path a map probe per block.) A hash-only
 //! store (`token_ids` empty, e.g. the offloading connector's placeholder events) is placed
 //! entirely through the map; hashes the map does not know are counted as orphans.
 //!
@@ -63,7 +65,7 @@ use serde::Serialize;
 
 use crate::config::{KeyScheme, PolicyConfig, PreciseConfig};
 use crate::engine_hash::{BlockExtras, EngineHasher, ExtraKeysForm, LoraAdapter};
-use crate::events::{BlockStored, EventBatch, KvEvent};
+use crate::events::{BlockStored, EventBatch, KvEvent, Medium};
 use crate::hashing::{BlockKey, DualKeyHashing, RequestKeys};
 use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use crate::request::{Prompt, RouteRequest};
@@ -631,40 +633,67 @@ impl KvIndex {
                 }
             },
         };
+        if s.medium == Medium::Gpu {
+            for (i, &engine) in s.block_hashes.iter().enumerate() {
+                let start = self.scratch_keys.len();
+                parent = self.key_block(parent, &s.token_ids[i * bs..(i + 1) * bs], s.content_keys.get(i).copied());
+                self.remember(engine, start);
+            }
+        } else {
+            self.key_offload_blocks(s, parent);
+        }
+        self.blocks.store(&self.scratch_keys, slot, s.medium);
+        self.stats.blocks_stored += n as u64;
+        n as u64
+    }
+
+    /// The blocks of an offload-tier (CPU, storage) store, keyed into `scratch_keys`. Engine keys
+    /// already mapped keep their request keys: the engine's hash covers tokens, parent and every
+    /// extra key, so a known engine key names the same content, and vLLM's offloading events
+    /// carry no extra keys (a multimodal block would otherwise be re-keyed as text). Kept out of
+    /// line: GPU events carry their extra keys and are recomputed without a map probe per block.
+    #[inline(never)]
+    fn key_offload_blocks(&mut self, s: &BlockStored, mut parent: u64) {
+        let bs = s.block_size as usize;
         for (i, &engine) in s.block_hashes.iter().enumerate() {
-            // An engine key already mapped names the same content (the engine's hash covers
-            // tokens, parent and every extra key): reuse its request keys. This keeps blocks
-            // re-announced without their extra keys (vLLM's offloading events carry none) keyed
-            // as the engine first reported them.
             if let Some(keys) = self.map.get(engine) {
                 self.scratch_keys.extend_from_slice(keys.as_slice());
                 parent = keys.last();
                 continue;
             }
             let start = self.scratch_keys.len();
-            let tokens = &s.token_ids[i * bs..(i + 1) * bs];
-            let content = s.content_keys.get(i).copied().unwrap_or(0);
-            if content == 0 {
-                parent = self.hashing.chain(parent, tokens, &mut self.scratch_keys, &mut self.scratch_bytes);
-            } else {
-                // Extra keys the router cannot compute (multimodal, prompt embeds): the block's
-                // first index key is moved off the text chain, so it and every key chained
-                // from it differ from what a request of the same token ids computes.
-                let (head, tail) = tokens.split_at(ib);
+            parent = self.key_block(parent, &s.token_ids[i * bs..(i + 1) * bs], s.content_keys.get(i).copied());
+            self.remember(engine, start);
+        }
+    }
+
+    /// Append the request keys of one engine block (`tokens`, chained from `parent`) to
+    /// `scratch_keys`; returns the last. `content` (see [`BlockStored::content_keys`]): extra keys
+    /// the router cannot compute move the block's first index key off the text chain, so it and
+    /// every key chained from it differ from what a request of the same token ids computes.
+    #[inline]
+    fn key_block(&mut self, parent: u64, tokens: &[u32], content: Option<u64>) -> u64 {
+        match content {
+            None | Some(0) => self.hashing.chain(parent, tokens, &mut self.scratch_keys, &mut self.scratch_bytes),
+            Some(content) => {
+                let ib = self.hashing.block_tokens as usize;
+                let (head, tail) = tokens.split_at(ib.min(tokens.len()));
                 let first = self.hashing.chain(parent, head, &mut self.scratch_keys, &mut self.scratch_bytes);
                 let moved = content_key(first, content);
                 if let Some(k) = self.scratch_keys.last_mut() {
                     *k = moved;
                 }
-                parent = self.hashing.chain(moved, tail, &mut self.scratch_keys, &mut self.scratch_bytes);
+                self.hashing.chain(moved, tail, &mut self.scratch_keys, &mut self.scratch_bytes)
             }
-            let keys = &self.scratch_keys[start..];
-            let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
-            self.map.insert(engine, entry);
         }
-        self.blocks.store(&self.scratch_keys, slot, s.medium);
-        self.stats.blocks_stored += n as u64;
-        n as u64
+    }
+
+    /// Map `engine` to the request keys appended to `scratch_keys` since `start`.
+    #[inline]
+    fn remember(&mut self, engine: u64, start: usize) {
+        let keys = &self.scratch_keys[start..];
+        let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
+        self.map.insert(engine, entry);
     }
 
     /// Give up on a gapped stream: drop the endpoint's entries, forget its sequence (the next batch

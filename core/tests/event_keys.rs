@@ -157,6 +157,19 @@ fn dual_keys_text_requests_do_not_match_past_a_multimodal_block() {
 }
 
 #[test]
+fn dual_keys_offload_reannouncement_without_extra_keys_keeps_the_image_keys() {
+    // vLLM 0.33's self-describing offloading events carry token ids and parents but no extra
+    // keys: the CPU copy of the image chain must stay keyed as the GPU event reported it.
+    let r = router(DUAL);
+    r.apply_events(A, &image_chain(), Some(0), 1).unwrap();
+    let cpu = payload(vec![stored(&[11, 12, 13, 14], None, 0..64, "CPU", vec![])]);
+    r.apply_events(A, &cpu, Some(1), 2).unwrap();
+    r.apply_events(A, &payload(vec![removed(&[11, 12, 13, 14], "GPU")]), Some(2), 3).unwrap();
+    let ids: Vec<u32> = (0..64).collect();
+    assert_eq!(matched(&r, &ids, None, A, 1), 1);
+}
+
+#[test]
 fn dual_keys_prompt_embeds_blocks_are_not_text_blocks() {
     let r = router(DUAL);
     // Prompt-embeds digests are msgpack bin values in the block's extra keys.
