@@ -198,7 +198,8 @@ pub struct ErrorSite {
     pub event: Option<usize>,
     /// Wire field name as the engines spell it (`"ts"`, `"events"`, `"data_parallel_rank"`,
     /// `"block_hashes"`, `"parent_block_hash"`, `"token_ids"`, `"block_size"`, `"lora_id"`,
-    /// `"medium"`, `"lora_name"`, `"group_idx"`, `"type"`), `"key"` for a map key, `"event"`
+    /// `"medium"`, `"lora_name"`, `"group_idx"`, `"type"`, `"extra_keys"`, `"cache_salt"`,
+    /// `"locality"`, `"ownership"`, `"session_id"`, `"lookahead_token_ids"`), `"key"` for a map key, `"event"`
     /// for the event value itself, `"batch"` for the envelope array, or the name of a skipped
     /// field.
     pub field: &'static str,

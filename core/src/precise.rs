@@ -24,7 +24,10 @@
 //! the GPU event first reported them. (GPU events carry their extra keys and are recomputed,
 //! which spares the hot path a map probe per block.) A hash-only
 //! store (`token_ids` empty, e.g. the offloading connector's placeholder events) is placed
-//! entirely through the map; hashes the map does not know are counted as orphans.
+//! entirely through the map; hashes the map does not know are counted as orphans. (Without
+//! self-describing events such a placeholder names only the last block of an offloaded chunk,
+//! so a chunk's earlier blocks are not seen on the offload tier: a match there stops short,
+//! never runs long.)
 //!
 //! **Lookahead** (vLLM `num_hash_lookahead_tokens` = L): the engine's block hash also covers the
 //! L tokens after the block, which are the next block's first tokens, so the dual chain already
