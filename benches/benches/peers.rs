@@ -320,6 +320,7 @@ fn kvroute_router(inp: &Inputs, runs: usize) -> Row {
                 lora_name: None,
                 group_idx: None,
                 cache_salt: None,
+                ..Default::default()
             };
             (e, EventBatch { ts: 1.0, events: vec![KvEvent::BlockStored(stored)], data_parallel_rank: None })
         })

@@ -119,6 +119,7 @@ fn events(convs: &[Conversation]) -> Vec<(usize, EventBatch)> {
                 lora_name: None,
                 group_idx: None,
                 cache_salt: None,
+                ..Default::default()
             };
             (
                 c.endpoint,

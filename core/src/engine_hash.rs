@@ -41,6 +41,17 @@
 //!
 //! KV events keep publishing the untagged form even in vLLM ≥ 0.31.
 //!
+//! **Lookahead** (vLLM ≥ 0.33 `num_hash_lookahead_tokens` = L, for drafters that read the tokens
+//! after a block): block `i`'s extra keys become `(E, *tokens[end_i .. end_i + L])` with `E` the
+//! extra keys above (`None` when empty), and a block is hashed only once its L lookahead tokens
+//! exist ([`EngineHasher::with_lookahead`], [`EngineHashSpec::lookahead_tokens`]). A router
+//! configured without it computes different keys from block 0 on, so it never claims a
+//! lookahead engine's blocks (it finds none).
+//!
+//! **Multimodal and prompt-embeds** extra keys (`("mm", mm_hash, offset)`,
+//! `("prompt_embeds", digest)`) cannot be computed from token ids: a request's keys never equal
+//! such a block's hash nor any hash chained after it, so nothing is claimed past it.
+//!
 //! # Why hand-written serializers
 //!
 //! The digest covers the exact bytes CPython's C pickler and `cbor2` emit, so "a valid encoding"
@@ -56,7 +67,7 @@
 //! simply the shortest-form heads, written the same way.
 //!
 //! Token ids are `u32` (vLLM's are Python ints; every vocabulary fits). With warm buffers the
-//! chain methods do not allocate.
+//! chain methods do not allocate (with lookahead: one small vector per call).
 //!
 //! # Example
 //!
@@ -217,6 +228,16 @@ pub struct EngineHashSpec {
     pub python_hash_seed: Option<String>,
     /// `--block-size`, tokens.
     pub block_size: u32,
+    /// vLLM ≥ 0.33 `num_hash_lookahead_tokens` (speculative decoding with a drafter that reads
+    /// the tokens after a block): each block's hash also covers that many following tokens.
+    /// 0 (the default) when the engine does not use lookahead hashing. (Not serialized when 0,
+    /// so configurations without it keep their serialized form and key fingerprint.)
+    #[serde(skip_serializing_if = "is_zero")]
+    pub lookahead_tokens: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl Default for EngineHashSpec {
@@ -226,6 +247,7 @@ impl Default for EngineHashSpec {
             extra_keys: ExtraKeysForm::Tagged,
             python_hash_seed: None,
             block_size: DEFAULT_BLOCK_SIZE,
+            lookahead_tokens: 0,
         }
     }
 }
@@ -350,6 +372,8 @@ pub enum ExtraValue<'a> {
     Bytes(&'a [u8]),
     /// `tuple`.
     Tuple(&'a [ExtraValue<'a>]),
+    /// `None` (the `E` of a lookahead block without other extra keys: `(None, *tokens)`).
+    None,
 }
 
 /// Computes vLLM's block hashes for one engine configuration.
@@ -358,6 +382,7 @@ pub struct EngineHasher {
     algo: HashAlgo,
     form: ExtraKeysForm,
     block_size: usize,
+    lookahead: usize,
     none_hash: BlockDigest,
 }
 
@@ -392,13 +417,28 @@ impl EngineHasher {
             p.finish();
         }
         let none_hash = algo.digest(&buf);
-        Ok(EngineHasher { algo, form, block_size: block_size as usize, none_hash })
+        Ok(EngineHasher { algo, form, block_size: block_size as usize, lookahead: 0, none_hash })
+    }
+
+    /// The same hasher for an engine run with `num_hash_lookahead_tokens = tokens` (vLLM ≥ 0.33):
+    /// block `i`'s extra keys become `(E, *tokens[end_i .. end_i + tokens])`, where `E` is what
+    /// they would be otherwise (`None` or the tuple), and a block is hashed only once those
+    /// tokens exist (so a prompt's last blocks may have no key).
+    #[must_use]
+    pub fn with_lookahead(mut self, tokens: u32) -> Self {
+        self.lookahead = tokens as usize;
+        self
     }
 
     /// [`EngineHasher::new`] from a configuration section.
     pub fn from_spec(spec: &EngineHashSpec) -> Result<Self, EngineHashError> {
         let seed = NoneHashSeed::from_env_value(spec.python_hash_seed.as_deref());
-        EngineHasher::new(spec.algo, spec.extra_keys, seed, spec.block_size)
+        Ok(EngineHasher::new(spec.algo, spec.extra_keys, seed, spec.block_size)?.with_lookahead(spec.lookahead_tokens))
+    }
+
+    /// Lookahead tokens per block (`num_hash_lookahead_tokens`; 0: none).
+    pub fn lookahead_tokens(&self) -> usize {
+        self.lookahead
     }
 
     /// The algorithm.
@@ -525,6 +565,24 @@ impl EngineHasher {
         let rest = (n_rest > 0).then_some(&rest[..n_rest]);
 
         let mut parent = parent.unwrap_or(self.none_hash);
+        if self.lookahead > 0 {
+            // vLLM's `(E, *lookahead_tokens)`; only blocks whose lookahead tokens exist.
+            let l = self.lookahead;
+            let mut extra: Vec<ExtraValue<'_>> = Vec::with_capacity(1 + l);
+            let (first_t, rest_t) = (first.map(ExtraValue::Tuple), rest.map(ExtraValue::Tuple));
+            let mut start = 0;
+            while start + self.block_size + l <= tokens.len() {
+                let end = start + self.block_size;
+                extra.clear();
+                extra.push((if start == 0 { first_t } else { rest_t }).unwrap_or(ExtraValue::None));
+                extra.extend(tokens[end..end + l].iter().map(|&t| ExtraValue::Int(i64::from(t))));
+                self.algo.encode(parent.as_bytes(), &tokens[start..end], Some(&extra), scratch);
+                parent = self.algo.digest(scratch);
+                sink(parent);
+                start = end;
+            }
+            return Ok(());
+        }
         let mut is_first = true;
         for block in tokens.chunks_exact(self.block_size) {
             let extra = if is_first { first } else { rest };
@@ -855,6 +913,10 @@ impl<'o> Pickler<'o> {
             ExtraValue::Int(i) => self.save_int(i),
             ExtraValue::Bytes(b) => self.save_bytes(b),
             ExtraValue::Tuple(items) => self.save_tuple(items),
+            ExtraValue::None => {
+                self.boundary();
+                self.write(&[NONE]);
+            }
         }
     }
 
@@ -989,6 +1051,7 @@ impl Cbor<'_> {
                 ExtraValue::Int(i) => self.head(0, i as u64),
                 ExtraValue::Bytes(b) => self.bytes(b),
                 ExtraValue::Tuple(items) => self.array(items),
+                ExtraValue::None => self.out.push(0xf6),
             }
         }
     }

@@ -17,11 +17,36 @@
 //!   (removed) are required; older releases send fewer trailing positions, later positions are
 //!   skipped;
 //! - **map-tagged** (vLLM ≥ 0.24, SGLang): `{"type": "BlockStored", "block_hashes": [...], ...}`.
-//!   Keys may come in any order; unknown keys are skipped whatever their value (`extra_keys`,
-//!   `kv_cache_spec_kind`, `locality`, `ownership`, `session_id`, `lookahead_token_ids`, SGLang's
-//!   `cache_salt`, future fields). Required: `type`, `block_hashes`, and for `BlockStored` also
-//!   `token_ids` and `block_size`; a missing `parent_block_hash` means "root", a missing
-//!   `medium` means GPU. A repeated key: the last value wins.
+//!   Keys may come in any order; unknown keys are skipped whatever their value
+//!   (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`, future fields such as the proposed
+//!   `block_offsets`). Required: `type`, `block_hashes`, and for `BlockStored` also `token_ids`
+//!   and `block_size`; a missing `parent_block_hash` means "root", a missing `medium` means GPU.
+//!   A repeated key: the last value wins. Decoded optional keys: `extra_keys`, `group_idx`,
+//!   `locality`, `ownership`, `session_id`, `lookahead_token_ids` (vLLM 0.33) and SGLang's
+//!   `cache_salt`, `session_id`.
+//!
+//! # Extra keys, salts and lookahead (what matters for keys)
+//!
+//! - **`extra_keys`** (vLLM, one entry per block, nil or an array) is the *untagged* form of what
+//!   vLLM hashes (checked against vLLM 0.33's `to_event_extra_keys`): per block, in order, the
+//!   LoRA name (a str, on every block when `lora_name` is set), one `(mm_hash, offset)` pair per
+//!   multimodal item overlapping the block (an array; `offset` is the item's start relative to the
+//!   block's first token, so it can be negative), the `cache_salt` (a str, block 0 only, and only
+//!   when non-empty), one prompt-embeds digest (32-byte bin) per block of a prompt-embeds
+//!   request. With lookahead hashing the entry covers the block *and* its lookahead tokens.
+//!   The strings of block 0 give [`BlockStored::cache_salt`] (the first string after the LoRA
+//!   name). Every non-string value of a block is fingerprinted (its raw msgpack bytes, fixed-seed
+//!   XXH3) into [`BlockStored::content_keys`]: a router cannot compute an image's `mm_hash` or an
+//!   embedding's digest from token ids, so such blocks must never be keyed like text blocks.
+//!   Newer SGLang releases put the salt in block 0's `extra_keys` the same way.
+//! - **`cache_salt`** (SGLang's field; SGLang does not fold the salt into its block hashes, it
+//!   namespaces the radix tree): an empty string is no salt, from either place.
+//! - **`lookahead_token_ids`** (vLLM 0.33, `num_hash_lookahead_tokens` = L > 0): per block the L
+//!   tokens after it; vLLM hashes such a block with extra keys `(E, *tokens)`, where `E` is the
+//!   block's extra keys (or `None`). Kept in [`BlockStored::lookahead_token_ids`].
+//! - **`ownership`** (vLLM 0.33 offloading: the secondary tier that produced the event, `None` for
+//!   the primary one) and **`session_id`** are kept; `locality` `"REMOTE"` places the blocks at
+//!   the storage tier (see `medium` below).
 //!
 //! Values:
 //!
@@ -47,7 +72,17 @@
 //! iterative (no recursion, so no stack overflow on deeply nested input).
 //!
 //! The decoder is a single forward pass over the borrowed bytes: it allocates only the output
-//! (`events`, and per `BlockStored` the hash and token vectors and an optional LoRA name).
+//! (`events`, and per `BlockStored` the hash and token vectors, the optional strings, and the
+//! content keys and lookahead tokens when the event has them).
+//!
+//! # Offload re-announcements and repeated stores
+//!
+//! vLLM 0.33's offloading connector publishes hash-only placeholder stores (`token_ids` `[]`,
+//! `block_size` 0, parent nil) and, with self-describing events, chunk-granular stores that
+//! re-announce shared hashes once per chunk; `kv_cache_report_mode="full"` re-emits GPU
+//! `BlockStored` for prefix hits. They decode like any other event; what they mean for the
+//! index (reference counts on offload tiers, idempotent GPU re-stores, placing hash-only
+//! stores) is the precise index's business (see [`crate::precise`]).
 
 // Why `rmp` and not `rmpv`/`rmp-serde`: `rmpv` materialises every value (a boxed `Value` per token
 // id, a `String` per key) before we could look at it, which would cost more than the rest of
@@ -60,12 +95,18 @@ use rmp::decode::{self as mp, Bytes, NumValueReadError, ValueReadError};
 use rmp::Marker;
 use serde::Serialize;
 use std::fmt;
+use xxhash_rust::xxh3::Xxh3;
+
+/// Seed of the fingerprint in [`BlockStored::content_keys`] (fixed: the same bytes always give the
+/// same key, on every platform).
+const CONTENT_KEY_SEED: u64 = 0x6b76_726f_7574_6530;
 
 /// Where a block lives on the publishing engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Medium {
     /// GPU memory (also the default when the event names no medium).
+    #[default]
     Gpu,
     /// CPU memory (offloaded).
     Cpu,
@@ -78,7 +119,7 @@ pub enum Medium {
 pub type EngineBlockHash = u64;
 
 /// `BlockStored`: the engine now holds these blocks (one hash per block, in chain order).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct BlockStored {
     /// Hashes of the stored blocks, in chain order.
     pub block_hashes: Vec<EngineBlockHash>,
@@ -97,12 +138,25 @@ pub struct BlockStored {
     /// KV-cache group (hybrid models), when given.
     pub group_idx: Option<u32>,
     /// The request's cache_salt, when the chain starts here and the engine reports it (vLLM's
-    /// untagged `extra_keys` of the first block; SGLang's `cache_salt`).
+    /// untagged `extra_keys` of the first block; SGLang's `cache_salt` field or, in newer
+    /// releases, block 0's `extra_keys`). An empty salt is no salt (`None`), as vLLM hashes it.
     pub cache_salt: Option<String>,
+    /// Per block (one entry per `block_hashes` entry): a 64-bit fingerprint of the block's
+    /// extra keys the router cannot compute from token ids — multimodal `(mm_hash, offset)`
+    /// pairs, prompt-embeds digests, any other non-string value — or 0 when the block has none.
+    /// Empty when no block has any (the common text-only case). See the module docs.
+    pub content_keys: Vec<u64>,
+    /// vLLM ≥ 0.33 with `num_hash_lookahead_tokens` > 0: per block, the tokens after the block
+    /// that its hash also covers (the hashed extra keys become `(E, *tokens)`). Empty otherwise.
+    pub lookahead_token_ids: Vec<Vec<u32>>,
+    /// vLLM ≥ 0.33: the secondary offloading tier that produced the event (`None`: primary).
+    pub ownership: Option<String>,
+    /// vLLM ≥ 0.33 / SGLang: the session whose request triggered the store (or reuse report).
+    pub session_id: Option<String>,
 }
 
 /// `BlockRemoved`: the engine evicted these blocks from `medium`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct BlockRemoved {
     /// Hashes of the removed blocks.
     pub block_hashes: Vec<EngineBlockHash>,
@@ -110,6 +164,8 @@ pub struct BlockRemoved {
     pub medium: Medium,
     /// KV-cache group, when given.
     pub group_idx: Option<u32>,
+    /// vLLM ≥ 0.33: the secondary offloading tier that produced the event (`None`: primary).
+    pub ownership: Option<String>,
 }
 
 /// One KV-cache event.
@@ -142,7 +198,8 @@ pub struct ErrorSite {
     pub event: Option<usize>,
     /// Wire field name as the engines spell it (`"ts"`, `"events"`, `"data_parallel_rank"`,
     /// `"block_hashes"`, `"parent_block_hash"`, `"token_ids"`, `"block_size"`, `"lora_id"`,
-    /// `"medium"`, `"lora_name"`, `"group_idx"`, `"type"`), `"key"` for a map key, `"event"`
+    /// `"medium"`, `"lora_name"`, `"group_idx"`, `"type"`, `"extra_keys"`, `"cache_salt"`,
+    /// `"locality"`, `"ownership"`, `"session_id"`, `"lookahead_token_ids"`), `"key"` for a map key, `"event"`
     /// for the event value itself, `"batch"` for the envelope array, or the name of a skipped
     /// field.
     pub field: &'static str,
@@ -477,6 +534,9 @@ fn decode_map_event(r: &mut Reader<'_>, event: usize) -> Result<KvEvent, EventEr
             b"extra_keys" => f.read(r, event, "extra_keys")?,
             b"cache_salt" => f.read(r, event, "cache_salt")?,
             b"locality" => f.read(r, event, "locality")?,
+            b"ownership" => f.read(r, event, "ownership")?,
+            b"session_id" => f.read(r, event, "session_id")?,
+            b"lookahead_token_ids" => f.read(r, event, "lookahead_token_ids")?,
             other => {
                 std::str::from_utf8(other)
                     .map_err(|_| EventError::InvalidUtf8 { offset: key_offset, site: key_site })?;
@@ -503,8 +563,13 @@ struct Fields {
     group_idx: Option<u32>,
     /// Top-level strings of the first block's extra keys (LoRA name and/or cache_salt).
     first_extra_strings: Vec<String>,
+    /// Per block: fingerprint of the extra keys that are not strings (0: none).
+    content_keys: Vec<u64>,
     cache_salt: Option<String>,
     remote: bool,
+    ownership: Option<String>,
+    session_id: Option<String>,
+    lookahead_token_ids: Vec<Vec<u32>>,
 }
 
 impl Fields {
@@ -521,9 +586,12 @@ impl Fields {
             "medium" => self.medium = r.medium(site)?,
             "lora_name" => self.lora_name = r.opt_str(site)?.map(str::to_owned),
             "group_idx" => self.group_idx = r.opt_u32(site)?,
-            "extra_keys" => self.first_extra_strings = r.first_extra_strings(site)?,
+            "extra_keys" => (self.first_extra_strings, self.content_keys) = r.extra_keys(site)?,
             "cache_salt" => self.cache_salt = r.opt_str(site)?.map(str::to_owned),
             "locality" => self.remote = r.opt_str(site)?.is_some_and(|l| l.eq_ignore_ascii_case("REMOTE")),
+            "ownership" => self.ownership = r.opt_str(site)?.map(str::to_owned),
+            "session_id" => self.session_id = r.opt_str(site)?.map(str::to_owned),
+            "lookahead_token_ids" => self.lookahead_token_ids = r.lookahead(site)?,
             _ => r.skip(site)?,
         }
         Ok(())
@@ -534,7 +602,9 @@ impl Fields {
         // vLLM's untagged extra keys of a first block: (lora_name if set, multimodal tuples...,
         // cache_salt if set, prompt-embeds bytes...): the top-level strings are the LoRA name
         // (first, when the blocks have one) and then the salt.
-        let cache_salt = self.cache_salt.or_else(|| {
+        // SGLang's `cache_salt` field wins; an empty salt (from either place) is no salt, as
+        // vLLM hashes it.
+        let cache_salt = self.cache_salt.filter(|s| !s.is_empty()).or_else(|| {
             let skip = usize::from(self.lora_name.is_some());
             self.first_extra_strings.into_iter().nth(skip).filter(|s| !s.is_empty())
         });
@@ -552,11 +622,16 @@ impl Fields {
                 lora_name: self.lora_name,
                 group_idx: self.group_idx,
                 cache_salt,
+                content_keys: self.content_keys,
+                lookahead_token_ids: self.lookahead_token_ids,
+                ownership: self.ownership,
+                session_id: self.session_id,
             }),
             Kind::Removed => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: self.block_hashes.ok_or_else(|| missing("block_hashes"))?,
                 medium: medium(self.medium),
                 group_idx: self.group_idx,
+                ownership: self.ownership,
             }),
             Kind::Cleared => KvEvent::AllBlocksCleared,
         })
@@ -868,31 +943,68 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// `extra_keys`: nil or an array (one entry per block) of nil or arrays of values. Returns the
-    /// top-level strings of the first entry; everything else is skipped.
-    fn first_extra_strings(&mut self, site: ErrorSite) -> Result<Vec<String>, EventError> {
+    /// `extra_keys`: nil or an array (one entry per block) of nil or arrays of values, in vLLM's
+    /// untagged form: the LoRA name (a str, when the blocks have one), `(mm_hash, offset)` pairs
+    /// (arrays), the cache_salt (a str, first block only), prompt-embeds digests (bin).
+    ///
+    /// Returns the top-level strings of the first entry, and per block a fingerprint of the raw
+    /// msgpack bytes of every non-string value (0 when a block has none; an empty vector when no
+    /// block has any).
+    fn extra_keys(&mut self, site: ErrorSite) -> Result<(Vec<String>, Vec<u64>), EventError> {
+        if self.take_nil() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let blocks = self.array_len(site)?;
+        let mut strings = Vec::new();
+        let mut content: Vec<u64> = Vec::new();
+        for b in 0..blocks {
+            if self.take_nil() {
+                if !content.is_empty() {
+                    content.push(0);
+                }
+                continue;
+            }
+            let n = self.array_len(site)?;
+            let mut fp: Option<Xxh3> = None;
+            for _ in 0..n {
+                match self.peek(site)? {
+                    Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => {
+                        let s = self.str(site)?;
+                        if b == 0 {
+                            strings.push(s.to_owned());
+                        }
+                    }
+                    _ => {
+                        let before = self.rest.remaining_slice();
+                        self.skip(site)?;
+                        let raw = &before[..before.len() - self.remaining()];
+                        fp.get_or_insert_with(|| Xxh3::with_seed(CONTENT_KEY_SEED)).update(raw);
+                    }
+                }
+            }
+            if let Some(fp) = fp {
+                // 0 means "none": a fingerprint that happens to be 0 becomes 1.
+                let key = fp.digest().max(1);
+                if content.is_empty() {
+                    content.resize(b, 0);
+                }
+                content.push(key);
+            } else if !content.is_empty() {
+                content.push(0);
+            }
+        }
+        Ok((strings, content))
+    }
+
+    /// `lookahead_token_ids`: nil or an array (one entry per block) of token-id arrays.
+    fn lookahead(&mut self, site: ErrorSite) -> Result<Vec<Vec<u32>>, EventError> {
         if self.take_nil() {
             return Ok(Vec::new());
         }
         let blocks = self.array_len(site)?;
-        let mut out = Vec::new();
-        for b in 0..blocks {
-            if b > 0 {
-                self.skip(site)?;
-                continue;
-            }
-            if self.take_nil() {
-                continue;
-            }
-            let n = self.array_len(site)?;
-            for _ in 0..n {
-                match self.peek(site)? {
-                    Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => {
-                        out.push(self.str(site)?.to_owned());
-                    }
-                    _ => self.skip(site)?,
-                }
-            }
+        let mut out = Vec::with_capacity(blocks);
+        for _ in 0..blocks {
+            out.push(if self.take_nil() { Vec::new() } else { self.token_ids(site)? });
         }
         Ok(out)
     }

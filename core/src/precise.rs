@@ -9,6 +9,40 @@
 //! keys of the stored blocks by chaining over their token ids, stores them and remembers
 //! engine key → request keys. `BlockRemoved` maps engine keys back to request keys the same way.
 //!
+//! **Blocks the router cannot key from token ids.** A block whose extra keys carry values the
+//! router cannot compute — vLLM's multimodal `(mm_hash, offset)` pairs, prompt-embeds digests
+//! (see [`BlockStored::content_keys`]) — gets, for its first index block, a key moved off the
+//! text chain (a fixed-seed mix of the text key and the content fingerprint); its other index
+//! blocks and every later block chain from it. A request of the same token ids (placeholder
+//! tokens included) therefore matches up to the block before the image and never past it. The
+//! cache_salt and LoRA name, which the router knows, stay in the chain's root.
+//!
+//! **Engine keys already mapped** are reused rather than recomputed by offload-tier (CPU,
+//! storage) stores: the engine's hash covers tokens, parent and every extra key, so a known
+//! engine key names the same content. This keeps blocks that an offloading connector
+//! re-announces without their extra keys (vLLM 0.33's offloading events carry none) keyed as
+//! the GPU event first reported them. (GPU events carry their extra keys and are recomputed,
+//! which spares the hot path a map probe per block.) A hash-only
+//! store (`token_ids` empty, e.g. the offloading connector's placeholder events) is placed
+//! entirely through the map; hashes the map does not know are counted as orphans. (Without
+//! self-describing events such a placeholder names only the last block of an offloaded chunk,
+//! so a chunk's earlier blocks are not seen on the offload tier: a match there stops short,
+//! never runs long.)
+//!
+//! **Lookahead** (vLLM `num_hash_lookahead_tokens` = L): the engine's block hash also covers the
+//! L tokens after the block, which are the next block's first tokens, so the dual chain already
+//! depends on them from the next block on; only the last matched block of a request that
+//! diverges within those L tokens can be credited without being servable (at most one block).
+//!
+//! **Repeated stores.** A GPU re-store (vLLM `kv_cache_report_mode="full"` re-emits
+//! `BlockStored` for prefix hits) is a touch; offload-tier stores are reference-counted per
+//! (block, endpoint, tier) by the block store (see [`crate::index`]), so a hash announced twice
+//! on CPU needs two removals.
+//!
+//! With engine keys (`index.precise.keys = "engine"`) the event's hashes are the index keys. A
+//! request never has multimodal hashes, so no text request reproduces an image block's key or
+//! any key chained after it: nothing is claimed past such a block.
+//!
 //! Unknown parents: a `BlockStored` whose parent engine key is not in the map (the subscriber
 //! joined after the parent was stored, or the map forgot it) cannot be placed in the chain, so
 //! its blocks are not indexed and are counted in [`PreciseStats::orphan_blocks`]. Nothing wrong is
@@ -34,7 +68,7 @@ use serde::Serialize;
 
 use crate::config::{KeyScheme, PolicyConfig, PreciseConfig};
 use crate::engine_hash::{BlockExtras, EngineHasher, ExtraKeysForm, LoraAdapter};
-use crate::events::{EventBatch, KvEvent};
+use crate::events::{BlockStored, EventBatch, KvEvent, Medium};
 use crate::hashing::{BlockKey, DualKeyHashing, RequestKeys};
 use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use crate::request::{Prompt, RouteRequest};
@@ -154,6 +188,13 @@ fn engine_keys(
         out.anchor ^= out.keys.last().copied().unwrap_or(0);
     }
     true
+}
+
+/// The request key of an index block whose engine block carries content keys (see
+/// [`BlockStored::content_keys`]): a fixed-seed mix of the text chain's key and the content
+/// fingerprint, never equal to a key a token-id request computes (up to 64-bit collisions).
+fn content_key(text_key: u64, content: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(&content.to_le_bytes(), text_key ^ 0x6d6d_2d62_6c6f_636b)
 }
 
 /// The expiry tick of a speculation (16 ms resolution, 15 bits: wraps after about 8.7 minutes,
@@ -539,41 +580,7 @@ impl KvIndex {
                 self.stats.blocks_removed += r.block_hashes.len() as u64;
                 r.block_hashes.len() as u64
             }
-            (KvEvent::BlockStored(s), KeyScheme::Dual) => {
-                let bs = s.block_size as usize;
-                let ib = self.hashing.block_tokens as usize;
-                let n = s.block_hashes.len();
-                if bs == 0 || bs % ib != 0 || s.token_ids.len() < n * bs {
-                    self.stats.malformed_events += 1;
-                    return 0;
-                }
-                let mut parent = match s.parent_block_hash {
-                    None => DualKeyHashing::root(s.lora_name.as_deref(), s.cache_salt.as_deref()),
-                    Some(p) => match self.map.get(p) {
-                        Some(keys) => keys.last(),
-                        None => {
-                            self.stats.orphan_blocks += n as u64;
-                            return 0;
-                        }
-                    },
-                };
-                self.scratch_keys.clear();
-                for (i, &engine) in s.block_hashes.iter().enumerate() {
-                    let start = self.scratch_keys.len();
-                    parent = self.hashing.chain(
-                        parent,
-                        &s.token_ids[i * bs..(i + 1) * bs],
-                        &mut self.scratch_keys,
-                        &mut self.scratch_bytes,
-                    );
-                    let keys = &self.scratch_keys[start..];
-                    let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
-                    self.map.insert(engine, entry);
-                }
-                self.blocks.store(&self.scratch_keys, slot, s.medium);
-                self.stats.blocks_stored += n as u64;
-                n as u64
-            }
+            (KvEvent::BlockStored(s), KeyScheme::Dual) => self.store_dual(slot, s),
             (KvEvent::BlockRemoved(r), KeyScheme::Dual) => {
                 self.scratch_keys.clear();
                 for &engine in &r.block_hashes {
@@ -590,6 +597,106 @@ impl KvIndex {
                 0
             }
         }
+    }
+
+    /// A `BlockStored` under dual keys (see the module docs, "Keys").
+    fn store_dual(&mut self, slot: usize, s: &BlockStored) -> u64 {
+        let n = s.block_hashes.len();
+        self.scratch_keys.clear();
+        if s.token_ids.is_empty() && n > 0 {
+            // Hash-only announcement (an offloading connector re-announcing blocks: no token
+            // ids, no parent): only blocks whose engine key is already mapped can be placed.
+            let mut placed = 0u64;
+            for &engine in &s.block_hashes {
+                match self.map.get(engine) {
+                    Some(keys) => {
+                        self.scratch_keys.extend_from_slice(keys.as_slice());
+                        placed += 1;
+                    }
+                    None => self.stats.orphan_blocks += 1,
+                }
+            }
+            self.blocks.store(&self.scratch_keys, slot, s.medium);
+            self.stats.blocks_stored += placed;
+            return placed;
+        }
+        let bs = s.block_size as usize;
+        let ib = self.hashing.block_tokens as usize;
+        if bs == 0 || bs % ib != 0 || s.token_ids.len() < n * bs {
+            self.stats.malformed_events += 1;
+            return 0;
+        }
+        let mut parent = match s.parent_block_hash {
+            None => DualKeyHashing::root(s.lora_name.as_deref(), s.cache_salt.as_deref()),
+            Some(p) => match self.map.get(p) {
+                Some(keys) => keys.last(),
+                None => {
+                    self.stats.orphan_blocks += n as u64;
+                    return 0;
+                }
+            },
+        };
+        if s.medium == Medium::Gpu {
+            for (i, &engine) in s.block_hashes.iter().enumerate() {
+                let start = self.scratch_keys.len();
+                parent = self.key_block(parent, &s.token_ids[i * bs..(i + 1) * bs], s.content_keys.get(i).copied());
+                self.remember(engine, start);
+            }
+        } else {
+            self.key_offload_blocks(s, parent);
+        }
+        self.blocks.store(&self.scratch_keys, slot, s.medium);
+        self.stats.blocks_stored += n as u64;
+        n as u64
+    }
+
+    /// The blocks of an offload-tier (CPU, storage) store, keyed into `scratch_keys`. Engine keys
+    /// already mapped keep their request keys: the engine's hash covers tokens, parent and every
+    /// extra key, so a known engine key names the same content, and vLLM's offloading events
+    /// carry no extra keys (a multimodal block would otherwise be re-keyed as text). Kept out of
+    /// line: GPU events carry their extra keys and are recomputed without a map probe per block.
+    #[inline(never)]
+    fn key_offload_blocks(&mut self, s: &BlockStored, mut parent: u64) {
+        let bs = s.block_size as usize;
+        for (i, &engine) in s.block_hashes.iter().enumerate() {
+            if let Some(keys) = self.map.get(engine) {
+                self.scratch_keys.extend_from_slice(keys.as_slice());
+                parent = keys.last();
+                continue;
+            }
+            let start = self.scratch_keys.len();
+            parent = self.key_block(parent, &s.token_ids[i * bs..(i + 1) * bs], s.content_keys.get(i).copied());
+            self.remember(engine, start);
+        }
+    }
+
+    /// Append the request keys of one engine block (`tokens`, chained from `parent`) to
+    /// `scratch_keys`; returns the last. `content` (see [`BlockStored::content_keys`]): extra keys
+    /// the router cannot compute move the block's first index key off the text chain, so it and
+    /// every key chained from it differ from what a request of the same token ids computes.
+    #[inline]
+    fn key_block(&mut self, parent: u64, tokens: &[u32], content: Option<u64>) -> u64 {
+        match content {
+            None | Some(0) => self.hashing.chain(parent, tokens, &mut self.scratch_keys, &mut self.scratch_bytes),
+            Some(content) => {
+                let ib = self.hashing.block_tokens as usize;
+                let (head, tail) = tokens.split_at(ib.min(tokens.len()));
+                let first = self.hashing.chain(parent, head, &mut self.scratch_keys, &mut self.scratch_bytes);
+                let moved = content_key(first, content);
+                if let Some(k) = self.scratch_keys.last_mut() {
+                    *k = moved;
+                }
+                self.hashing.chain(moved, tail, &mut self.scratch_keys, &mut self.scratch_bytes)
+            }
+        }
+    }
+
+    /// Map `engine` to the request keys appended to `scratch_keys` since `start`.
+    #[inline]
+    fn remember(&mut self, engine: u64, start: usize) {
+        let keys = &self.scratch_keys[start..];
+        let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
+        self.map.insert(engine, entry);
     }
 
     /// Give up on a gapped stream: drop the endpoint's entries, forget its sequence (the next batch
@@ -700,6 +807,7 @@ mod tests {
             lora_name: None,
             group_idx: None,
             cache_salt: None,
+            ..Default::default()
         })
     }
 
@@ -739,6 +847,7 @@ mod tests {
                     block_hashes: vec![103],
                     medium: Medium::Gpu,
                     group_idx: None,
+                    ..Default::default()
                 })],
             ),
             Some(2),
@@ -778,6 +887,7 @@ mod tests {
             lora_name: None,
             group_idx: None,
             cache_salt: None,
+            ..Default::default()
         });
         ix.apply(0, &batch(1.0, vec![ev]), None);
         let k = request_keys(&ix, 0..130);
@@ -791,6 +901,7 @@ mod tests {
                     block_hashes: vec![8],
                     medium: Medium::Gpu,
                     group_idx: None,
+                    ..Default::default()
                 })],
             ),
             None,
@@ -807,9 +918,45 @@ mod tests {
             lora_name: None,
             group_idx: None,
             cache_salt: None,
+            ..Default::default()
         });
         ix.apply(0, &batch(3.0, vec![odd]), None);
         assert_eq!(ix.stats().malformed_events, 1);
+    }
+
+    #[test]
+    fn content_keys_move_an_engine_block_off_the_text_chain_from_its_first_index_block() {
+        let mut cfg = PolicyConfig::default();
+        cfg.index.precise.engine_block_tokens = 64;
+        cfg.index.precise.index_block_tokens = 16;
+        let mut ix = KvIndex::new(&cfg, 0, 1 << 14);
+        ix.activate(0);
+        // Three engine blocks of 64 tokens; the middle one holds an image.
+        let ev = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![7, 8, 9],
+            token_ids: (0..192).collect(),
+            block_size: 64,
+            content_keys: vec![0, 0xfeed, 0],
+            ..Default::default()
+        });
+        ix.apply(0, &batch(1.0, vec![ev]), None);
+        let k = request_keys(&ix, 0..192);
+        assert_eq!(k.keys.len(), 12);
+        assert_eq!(matched(&ix, &k), vec![4], "the engine block before the image, nothing of it or after");
+        // The same tokens without content keys on another endpoint match in full, and the
+        // image chain's removal goes through the map like any other.
+        ix.activate(1);
+        let text = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![17, 18, 19],
+            token_ids: (0..192).collect(),
+            block_size: 64,
+            ..Default::default()
+        });
+        ix.apply(1, &batch(2.0, vec![text]), None);
+        assert_eq!(matched(&ix, &k), vec![4, 12]);
+        let rm = KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![8, 9], ..Default::default() });
+        ix.apply(0, &batch(3.0, vec![rm]), None);
+        assert_eq!(ix.blocks().memberships_of(0), 4);
     }
 
     #[test]

@@ -14,9 +14,15 @@
 //! - Bind or connect: vLLM's publisher binds when its endpoint contains `*` or `::` and connects
 //!   otherwise, so the subscriber does the opposite: see [`SocketMode`].
 //! - Replay (ZMQ `DEALER` to the publisher's `ROUTER`): request `["", start_seq (8-byte BE)]`.
-//!   Both reply formats are accepted, told apart by frame count: vLLM ≥ 0.26 sends
-//!   `["", topic, seq, payload]` per buffered batch and ends with `["", "", u64::MAX, ""]`;
-//!   vLLM ≤ 0.23 sends `["", seq, payload]` and ends with `["", u64::MAX, ""]`.
+//!   Both reply layouts are accepted, told apart by each message's own frame count (so either
+//!   end marker closes either batch layout): vLLM ≥ 0.26 and SGLang (0.5.23's
+//!   `_service_replay`) send `["", topic, seq, payload]` per buffered batch and end with
+//!   `["", "", END_SEQ, ""]`; vLLM ≤ 0.23 sends `["", seq, payload]` and ends with
+//!   `["", END_SEQ, ""]`. [`END_SEQ`] is `-1` as a signed 8-byte big-endian integer. A replayed
+//!   batch without a topic frame is not filtered by [`SubscriberConfig::topic`].
+//! - Payloads are decoded by [`crate::events::decode_batch`] (see its module for the event
+//!   formats: vLLM ≤ 0.23 arrays, vLLM ≥ 0.24 and SGLang maps, extra keys, lookahead, offload
+//!   re-announcements).
 //!
 //! # Gaps, replay and resync
 //! When the router judges a batch a [`StreamVerdict::Gap`] (batches `expected..got` are

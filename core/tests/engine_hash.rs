@@ -186,6 +186,75 @@ fn replays_every_vllm_block_hash() {
     }
 }
 
+/// vLLM 0.33 lookahead hashing (`num_hash_lookahead_tokens` = L): vectors from vLLM's own
+/// `get_request_block_hasher(block_size, hash_fn, L)`.
+#[test]
+fn replays_vllm_lookahead_block_hashes() {
+    let mut scratch = Vec::new();
+    let mut keys = Vec::new();
+    let mut checked = 0usize;
+    let mut files = 0;
+    for (file, doc) in vector_files() {
+        let Some(sections) = doc.get("lookahead").and_then(Value::as_object) else { continue };
+        files += 1;
+        let form = form_of(&doc);
+        for (algo, entries) in sections {
+            let algo = algo_of(algo);
+            for entry in entries.as_array().unwrap() {
+                let seed = seed_of(&entry["python_hash_seed"]);
+                let l = u32::try_from(entry["lookahead_tokens"].as_u64().unwrap()).unwrap();
+                for case in entry["cases"].as_array().unwrap() {
+                    let name = format!("{file} {algo} L={l} {}", case["name"]);
+                    let seq = &doc["sequences"][case["sequence"].as_str().unwrap()];
+                    let block_size = u32::try_from(seq["block_size"].as_u64().unwrap()).unwrap();
+                    let tokens = tokens(seq);
+                    let hasher = EngineHasher::new(algo, form, seed.clone(), block_size).unwrap().with_lookahead(l);
+                    let ex = &case["extras"];
+                    let (lora_name, lora_path) = match ex.get("lora") {
+                        Some(x) => (Some(text(&x["name"])), text(&x["path"])),
+                        None => (None, String::new()),
+                    };
+                    let salt = ex.get("cache_salt").map(text);
+                    let extras = BlockExtras {
+                        lora: lora_name.as_deref().map(|name| LoraAdapter { name, path: &lora_path }),
+                        cache_salt: salt.as_deref(),
+                    };
+                    keys.clear();
+                    let n = hasher.block_keys(&tokens, &extras, &mut scratch, &mut keys).unwrap();
+                    let want: Vec<u64> =
+                        case["blocks"].as_array().unwrap().iter().map(|b| b["event_key"].as_u64().unwrap()).collect();
+                    assert_eq!(n, want.len(), "{name}");
+                    assert_eq!(keys, want, "{name}");
+                    // Without lookahead the keys differ from block 0 on: a router configured
+                    // without it never claims a lookahead engine's blocks.
+                    let mut plain = Vec::new();
+                    EngineHasher::new(algo, form, seed.clone(), block_size)
+                        .unwrap()
+                        .block_keys(&tokens, &extras, &mut scratch, &mut plain)
+                        .unwrap();
+                    assert!(want.iter().all(|k| !plain.contains(k)), "{name}");
+                    checked += n;
+                }
+            }
+        }
+    }
+    assert!(files >= 1, "no vector file has a lookahead section");
+    assert!(checked > 100, "only {checked} lookahead blocks checked");
+}
+
+#[test]
+fn lookahead_is_part_of_the_spec() {
+    let spec: EngineHashSpec = serde_json::from_str(r#"{"algo": "sha256", "lookahead_tokens": 2}"#).unwrap();
+    let h = EngineHasher::from_spec(&spec).unwrap();
+    assert_eq!(h.lookahead_tokens(), 2);
+    // A block is hashed only once its lookahead tokens exist: 33 tokens → 1 block (16 + 2 ≤ 33,
+    // 32 + 2 > 33).
+    let (mut scratch, mut keys) = (Vec::new(), Vec::new());
+    let ids: Vec<u32> = (0..33).collect();
+    assert_eq!(h.block_keys(&ids, &BlockExtras::default(), &mut scratch, &mut keys).unwrap(), 1);
+    assert_eq!(EngineHashSpec::default().lookahead_tokens, 0);
+}
+
 /// The extra keys vLLM recorded for the first two blocks have the documented form.
 #[test]
 fn recorded_extra_keys_have_the_documented_form() {

@@ -182,6 +182,7 @@ fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, block_size: u
         lora_name: None,
         group_idx: None,
         cache_salt: None,
+        ..Default::default()
     })
 }
 
@@ -244,6 +245,9 @@ fn assert_null<T>(v: &Value) -> Option<T> {
     assert!(v.is_null(), "expected null, got {v}");
     None
 }
+fn opt_string(v: &Value) -> Option<String> {
+    v.as_str().map(str::to_owned).or_else(|| assert_null(v))
+}
 fn u64s(v: &Value) -> Vec<u64> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
 }
@@ -274,11 +278,21 @@ fn expected(doc: &Value) -> EventBatch {
                 lora_name: ev["lora_name"].as_str().map(str::to_owned).or_else(|| assert_null(&ev["lora_name"])),
                 group_idx: opt_u32(&ev["group_idx"]),
                 cache_salt: ev["cache_salt"].as_str().map(str::to_owned).or_else(|| assert_null(&ev["cache_salt"])),
+                content_keys: u64s(&ev["content_keys"]),
+                lookahead_token_ids: ev["lookahead_token_ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|b| u64s(b).into_iter().map(|t| u32::try_from(t).unwrap()).collect())
+                    .collect(),
+                ownership: opt_string(&ev["ownership"]),
+                session_id: opt_string(&ev["session_id"]),
             }),
             "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: u64s(&ev["block_hashes"]),
                 medium: medium(&ev["medium"]),
                 group_idx: opt_u32(&ev["group_idx"]),
+                ownership: opt_string(&ev["ownership"]),
             }),
             "AllBlocksCleared" => KvEvent::AllBlocksCleared,
             other => panic!("type {other}"),
@@ -336,7 +350,19 @@ fn array_and_map_encodings_decode_to_the_same_batches() {
     for f in all.iter().filter(|f| f.name.starts_with("vllm023_")) {
         let twin = all.iter().find(|g| g.name == f.name.replace("vllm023_", "vllm033_")).unwrap();
         assert_ne!(f.payload, twin.payload);
-        assert_eq!(decode_batch(&f.payload).unwrap(), decode_batch(&twin.payload).unwrap(), "{}", f.name);
+        // 0.33 adds ownership, session_id and lookahead_token_ids (set in one fixture only).
+        let mut new = decode_batch(&twin.payload).unwrap();
+        let mut stripped = 0;
+        for ev in &mut new.events {
+            if let KvEvent::BlockStored(s) = ev {
+                if s.ownership.is_some() || s.session_id.is_some() || !s.lookahead_token_ids.is_empty() {
+                    stripped += 1;
+                }
+                (s.ownership, s.session_id, s.lookahead_token_ids) = (None, None, Vec::new());
+            }
+        }
+        assert_eq!(stripped, usize::from(f.name.ends_with("optional_fields")), "{}", f.name);
+        assert_eq!(decode_batch(&f.payload).unwrap(), new, "{}", f.name);
         pairs += 1;
     }
     assert_eq!(pairs, 7);
@@ -456,7 +482,12 @@ fn old_vllm_short_arrays_and_two_element_batches() {
     assert_eq!((second.parent_block_hash, second.lora_id, second.medium), (Some(2), Some(4), Medium::Gpu));
     assert_eq!(
         b.events[2],
-        KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![1], medium: Medium::Gpu, group_idx: None })
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![1],
+            medium: Medium::Gpu,
+            group_idx: None,
+            ..Default::default()
+        })
     );
 }
 
@@ -495,7 +526,12 @@ fn extra_trailing_positions_are_skipped() {
     assert_eq!((st.medium, st.lora_name.as_deref(), st.group_idx), (Medium::Cpu, Some("lora-x"), Some(3)));
     assert_eq!(
         b.events[1],
-        KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![1], medium: Medium::Cpu, group_idx: Some(3) })
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![1],
+            medium: Medium::Cpu,
+            group_idx: Some(3),
+            ..Default::default()
+        })
     );
     assert_eq!(b.events[2], KvEvent::AllBlocksCleared);
 }
@@ -533,7 +569,7 @@ fn unknown_map_keys_are_ignored_whatever_their_value() {
     noisy.extend([
         ("kv_cache_spec_kind", s("sliding_window")),
         ("locality", s("LOCAL")),
-        ("lookahead_token_ids", arr([ints([1, 2])])),
+        ("block_offsets", arr([ints([1, 2])])),
         ("a_float", V::F64(1.0)),
         ("a_bool", V::Bool(true)),
         ("a_bin", V::Bin(vec![0; 40])),
@@ -984,4 +1020,91 @@ fn decode_throughput() {
             p.len() as f64 / best / 1e6
         );
     }
+}
+
+#[test]
+fn multimodal_and_prompt_embeds_extra_keys_become_content_keys() {
+    let content = |extra: V| {
+        let mut m = stored_map(ints([1, 2, 3]), V::Nil, ints(0..6));
+        m.push(("extra_keys", extra));
+        let b = decode_batch(&batch(vec![map(m)], i(0))).unwrap();
+        let KvEvent::BlockStored(st) = &b.events[0] else { panic!() };
+        (st.content_keys.clone(), st.cache_salt.clone())
+    };
+    let pair = |h: &'static str, off: i128| arr([s(h), i(off)]);
+    // Text only (LoRA names, salts, nil blocks): no content keys at all.
+    assert_eq!(content(arr([arr([s("lora"), s("salt")]), arr([s("lora")]), V::Nil])), (vec![], Some("lora".into())));
+    assert_eq!(content(V::Nil), (vec![], None));
+    // An image over blocks 1 and 2: keys there, 0 elsewhere; the same pair gives the same key,
+    // another offset or image another one; strings beside it do not change it.
+    let (k, salt) = content(arr([V::Nil, arr([pair("img", 5)]), arr([s("x"), pair("img", 5), pair("img2", -11)])]));
+    assert_eq!(salt, None);
+    assert_eq!(k.len(), 3);
+    assert_eq!(k[0], 0);
+    assert!(k[1] != 0 && k[2] != 0 && k[1] != k[2]);
+    let (k2, _) =
+        content(arr([arr([pair("img", 5)]), arr([pair("img", 6)]), arr([s("y"), pair("img", 5), pair("img2", -11)])]));
+    assert_eq!((k2[0], k2[2]), (k[1], k[2]));
+    assert_ne!(k2[1], k[1], "offset matters");
+    // Prompt-embeds digests (bin) count too; so would any other non-string value.
+    let (k, _) = content(arr([arr([V::Bin(vec![7; 32])]), V::Nil]));
+    assert_eq!((k.len(), k[1]), (2, 0));
+    assert_ne!(k[0], 0);
+}
+
+#[test]
+fn vllm_033_lookahead_ownership_session_and_sglang_salts_are_decoded() {
+    let mut m = stored_map(ints([1, 2]), V::Nil, ints(0..4));
+    m.extend([
+        ("lookahead_token_ids", arr([ints([2, 3]), ints([4, 5])])),
+        ("ownership", s("kvcr")),
+        ("session_id", s("sess-1")),
+        ("locality", s("LOCAL")),
+    ]);
+    let b = decode_batch(&batch(vec![map(m)], i(0))).unwrap();
+    let KvEvent::BlockStored(st) = &b.events[0] else { panic!() };
+    assert_eq!(st.lookahead_token_ids, vec![vec![2, 3], vec![4, 5]]);
+    assert_eq!((st.ownership.as_deref(), st.session_id.as_deref()), (Some("kvcr"), Some("sess-1")));
+    assert_eq!(st.medium, Medium::Gpu);
+    let rm = map([
+        ("type", s("BlockRemoved")),
+        ("block_hashes", ints([1])),
+        ("medium", s("STORAGE")),
+        ("ownership", s("kvcr")),
+    ]);
+    let b = decode_batch(&batch(vec![rm], i(0))).unwrap();
+    assert_eq!(
+        b.events[0],
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![1],
+            medium: Medium::Storage,
+            group_idx: None,
+            ownership: Some("kvcr".into())
+        })
+    );
+    // Bad values are typed errors naming the field.
+    let mut m = stored_map(ints([1]), V::Nil, ints(0..2));
+    m.push(("lookahead_token_ids", arr([arr([s("x")])])));
+    assert!(matches!(
+        err(&batch(vec![map(m)], i(0))),
+        EventError::WrongType { site: ErrorSite { field: "lookahead_token_ids", .. }, .. }
+    ));
+    let mut m = stored_map(ints([1]), V::Nil, ints(0..2));
+    m.push(("session_id", i(3)));
+    assert!(matches!(
+        err(&batch(vec![map(m)], i(0))),
+        EventError::WrongType { site: ErrorSite { field: "session_id", .. }, .. }
+    ));
+    // SGLang: an empty `cache_salt` is no salt; a salt in block 0's extra keys is read.
+    let salt_of = |extra: Vec<(&'static str, V)>| {
+        let mut m = stored_map(ints([1]), V::Nil, ints(0..2));
+        m.extend(extra);
+        let b = decode_batch(&batch(vec![map(m)], i(0))).unwrap();
+        let KvEvent::BlockStored(st) = &b.events[0] else { panic!() };
+        st.cache_salt.clone()
+    };
+    assert_eq!(salt_of(vec![("cache_salt", s(""))]), None);
+    assert_eq!(salt_of(vec![("cache_salt", s("t"))]), Some("t".into()));
+    assert_eq!(salt_of(vec![("extra_keys", arr([arr([s("t")])]))]), Some("t".into()));
+    assert_eq!(salt_of(vec![("cache_salt", s("")), ("extra_keys", arr([arr([s("")])]))]), None);
 }

@@ -38,6 +38,7 @@ fn stored(base: u64, blocks: u32, first: u32, parent: Option<u64>, medium: Mediu
         lora_name: None,
         group_idx: None,
         cache_salt: None,
+        ..Default::default()
     })
 }
 
@@ -78,8 +79,14 @@ fn offloaded_blocks_count_at_their_tier_weight() {
     let d = r.route_http(body(1024).as_bytes(), [("x", "y")], 7).unwrap();
     assert_eq!(d.score(B).unwrap().prefix_hit, 1.0);
     // Evicted from GPU: back to the CPU weight; removed everywhere: nothing.
-    let removed =
-        |m| KvEvent::BlockRemoved(BlockRemoved { block_hashes: (1000..1064).collect(), medium: m, group_idx: None });
+    let removed = |m| {
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: (1000..1064).collect(),
+            medium: m,
+            group_idx: None,
+            ..Default::default()
+        })
+    };
     r.apply_batch(B, &batch(3.0, vec![removed(Medium::Gpu)]), None, 8).unwrap();
     let d = r.route_http(body(1024).as_bytes(), [("x", "y")], 9).unwrap();
     assert!((d.score(B).unwrap().prefix_hit - 0.8).abs() < 1e-12);
@@ -211,6 +218,7 @@ fn engine_keys_match_vllm_hashes_end_to_end() {
         lora_name: Some("sql-adapter".into()),
         group_idx: None,
         cache_salt: None,
+        ..Default::default()
     });
     r.apply_batch(B, &batch(1.0, vec![ev]), Some(0), 0).unwrap();
     let body = |salt: &str| {

@@ -52,6 +52,7 @@ fn stored_for(tok: &Tokenizer, body: &str) -> (KvEvent, usize) {
         lora_name: None,
         group_idx: None,
         cache_salt: None,
+        ..Default::default()
     });
     (ev, blocks)
 }

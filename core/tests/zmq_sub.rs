@@ -160,6 +160,10 @@ enum ReplayFormat {
     V026,
     /// vLLM ≤ 0.23: `["", seq, payload]`, end `["", END_SEQ, ""]`.
     V023,
+    /// Batches with the topic frame, end marker without it (`["", END_SEQ, ""]`).
+    TopicOldEnd,
+    /// Batches without the topic frame, end marker with it (`["", "", END_SEQ, ""]`).
+    NoTopicNewEnd,
     /// Never answers.
     Silent,
 }
@@ -193,22 +197,25 @@ impl ReplayServer {
                 let start = u64::from_be_bytes(start.as_slice().try_into().unwrap());
                 let end = END_SEQ.to_be_bytes();
                 let e: &[u8] = b"";
-                match format {
+                let (with_topic, end_with_topic) = match format {
                     ReplayFormat::Silent => continue,
-                    ReplayFormat::V026 => {
-                        for (topic, seq, payload) in buffer.lock().unwrap().iter().filter(|b| b.1 >= start) {
-                            let seq = seq.to_be_bytes();
-                            sock.send_multipart([&id[..], e, topic, &seq, payload], 0).unwrap();
-                        }
-                        sock.send_multipart([&id[..], e, e, &end, e], 0).unwrap();
+                    ReplayFormat::V026 => (true, true),
+                    ReplayFormat::V023 => (false, false),
+                    ReplayFormat::TopicOldEnd => (true, false),
+                    ReplayFormat::NoTopicNewEnd => (false, true),
+                };
+                for (topic, seq, payload) in buffer.lock().unwrap().iter().filter(|b| b.1 >= start) {
+                    let seq = seq.to_be_bytes();
+                    if with_topic {
+                        sock.send_multipart([&id[..], e, topic, &seq, payload], 0).unwrap();
+                    } else {
+                        sock.send_multipart([&id[..], e, &seq, payload], 0).unwrap();
                     }
-                    ReplayFormat::V023 => {
-                        for (_, seq, payload) in buffer.lock().unwrap().iter().filter(|b| b.1 >= start) {
-                            let seq = seq.to_be_bytes();
-                            sock.send_multipart([&id[..], e, &seq, payload], 0).unwrap();
-                        }
-                        sock.send_multipart([&id[..], e, &end, e], 0).unwrap();
-                    }
+                }
+                if end_with_topic {
+                    sock.send_multipart([&id[..], e, e, &end, e], 0).unwrap();
+                } else {
+                    sock.send_multipart([&id[..], e, &end, e], 0).unwrap();
                 }
             }
         });
@@ -510,6 +517,16 @@ fn gap_is_replayed_vllm_026_format() {
 #[test]
 fn gap_is_replayed_vllm_023_format() {
     gap_is_replayed(ReplayFormat::V023);
+}
+
+/// SGLang 0.5.23's replay ROUTER answers exactly like vLLM ≥ 0.26 (`_service_replay`: per batch
+/// `[id, "", topic, seq, payload]`, then `[id, "", "", END_SEQ, ""]`), covered by the 0.26 case.
+/// The subscriber judges each reply by its own frame count, so either end marker closes either
+/// batch layout.
+#[test]
+fn gap_is_replayed_with_mixed_topic_and_end_marker_layouts() {
+    gap_is_replayed(ReplayFormat::TopicOldEnd);
+    gap_is_replayed(ReplayFormat::NoTopicNewEnd);
 }
 
 /// After a resync: the endpoint was cleared, is stale, and the held batch was accepted as a

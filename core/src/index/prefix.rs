@@ -30,9 +30,19 @@
 //! completes within 16,384 advances of all endpoints together — inside the 2^15-generation stamp
 //! window of each endpoint (2x margin), which makes stamp wrap-around impossible to observe.
 //!
+//! # Reference counts on offload tiers
+//! Offloading connectors re-announce a block (once per chunk that overlaps it, once per
+//! secondary tier) and remove it as often. The record's tier bit says "held"; a side table counts
+//! the announcements beyond the first per (block, endpoint, tier) and exists only while such a
+//! duplicate is outstanding (a removal then decrements it instead of dropping the tier). GPU
+//! stores are not counted: vLLM re-announces GPU blocks on prefix hits without removals. Counts
+//! of a membership that is evicted, cleared or retired are dropped with it (at latest on the
+//! next sweep pass).
+//!
 //! # Memory
 //! A key with one holder costs one bucket (8 bytes approximate, 12 exact; load ≤ 7/8); each
-//! further holder costs 4 bytes in a size-classed arena chunk. See `memory_bytes` and the `index_memory` test for
+//! further holder costs 4 bytes in a size-classed arena chunk; an outstanding duplicate store on
+//! an offload tier costs one side-table entry (about 48 bytes). See `memory_bytes` and the `index_memory` test for
 //! measured bytes per membership.
 
 use super::table::{BucketKind, FpBucket, PostingTable};
@@ -192,9 +202,18 @@ pub struct IndexStats {
 /// The approximate index: keys stored as 32-bit fingerprints.
 pub type ApproxIndex = PrefixIndex<FpBucket>;
 
+/// Extra stores of one (block, slot, offload tier) beyond the first: `(key, slot, tier bit)` →
+/// count. Only offload tiers are counted (see [`PrefixIndex::store`]); entries exist only while a
+/// duplicate announcement is outstanding, so the common case costs nothing.
+type DupCounts = std::collections::BTreeMap<(BlockKey, u16, u32), u32>;
+
+/// Heap bytes charged per duplicate-count entry (a B-tree entry with its share of a node).
+const DUP_ENTRY_BYTES: usize = 48;
+
 /// A prefix index over bucket layout `B`. Slots are the endpoint table's slot numbers.
 pub struct PrefixIndex<B: BucketKind> {
     table: PostingTable<B>,
+    dups: DupCounts,
     slots: Vec<SlotState>,
     fingerprint: u64,
     cap: u32,
@@ -232,6 +251,11 @@ fn is_live(slots: &[SlotState], rec: u32) -> bool {
     }
 }
 
+/// Whether `slot` holds `key` live in the tier `bit`.
+fn held_in<B: BucketKind>(table: &PostingTable<B>, slots: &[SlotState], key: BlockKey, slot: usize, bit: u32) -> bool {
+    table.records(key).as_slice().iter().any(|&r| rec_slot(r) == slot && r & bit != 0 && is_live(slots, r))
+}
+
 /// A live record counted in its endpoint's generations (held in some tier).
 #[inline]
 fn counted(slots: &[SlotState], rec: u32) -> bool {
@@ -251,6 +275,7 @@ impl<B: BucketKind> PrefixIndex<B> {
     pub fn new(fingerprint: u64, cap: u32) -> Self {
         PrefixIndex {
             table: PostingTable::new(),
+            dups: DupCounts::new(),
             slots: Vec::new(),
             fingerprint,
             cap: cap.max(1),
@@ -270,6 +295,7 @@ impl<B: BucketKind> PrefixIndex<B> {
     /// can never match again). Endpoint slots stay active.
     pub fn reset(&mut self, fingerprint: u64) {
         self.table.clear();
+        self.dups.clear();
         self.fingerprint = fingerprint;
         self.cursor = 0;
         self.sweep_debt = 0;
@@ -336,6 +362,10 @@ impl<B: BucketKind> PrefixIndex<B> {
             s.spec = 0;
             s.counts = [0; GENERATIONS as usize];
             s.retired_at = Some(passes);
+            if !self.dups.is_empty() {
+                let slot = slot as u16;
+                self.dups.retain(|k, _| k.1 != slot);
+            }
             // Reclaim at the same pace as a full turnover of the slot's generations.
             self.sweep_debt += (self.table.capacity() / SWEEP_DIVISOR + 1) * GENERATIONS as usize;
         }
@@ -349,6 +379,17 @@ impl<B: BucketKind> PrefixIndex<B> {
         self.sweep_debt = 0;
         self.dead_pending = 0;
         self.passes += 2;
+        self.prune_dups();
+    }
+
+    /// Drop duplicate counts whose membership is gone (evicted by its generation, or its tier
+    /// removed): run once per sweep pass, O(entries), and there are few.
+    fn prune_dups(&mut self) {
+        if self.dups.is_empty() {
+            return;
+        }
+        let (table, slots) = (&self.table, &self.slots);
+        self.dups.retain(|&(key, slot, bit), _| held_in(table, slots, key, usize::from(slot), bit));
     }
 
     fn advance(&mut self, slot: usize) {
@@ -368,6 +409,7 @@ impl<B: BucketKind> PrefixIndex<B> {
                 self.cursor = 0;
                 self.passes += 1;
                 self.table.maybe_shrink();
+                self.prune_dups();
             }
             let slots = &self.slots;
             let mut removed = 0u64;
@@ -391,8 +433,20 @@ impl<B: BucketKind> PrefixIndex<B> {
 
     /// Record that the engine stored `keys` on `slot` in `medium` (this confirms any
     /// speculation on them).
+    ///
+    /// Storing a block again on the GPU is idempotent (a touch): vLLM re-announces GPU blocks for
+    /// prefix hits (`kv_cache_report_mode="full"`) without a matching removal. On an offload tier
+    /// (CPU, storage) stores are reference-counted per (block, slot, tier): offloading connectors
+    /// re-announce a hash once per chunk or per secondary tier and remove it as often, so a
+    /// duplicate store followed by one removal leaves the block held; the count lives in a side
+    /// table only while a duplicate is outstanding.
     pub fn store(&mut self, keys: &[BlockKey], slot: usize, medium: Medium) {
         self.touch_all(keys, slot, tier_bit(medium));
+    }
+
+    /// Outstanding duplicate stores (beyond the first) of `key` on `slot` in `medium`.
+    pub fn duplicate_stores(&self, key: BlockKey, slot: usize, medium: Medium) -> u32 {
+        u16::try_from(slot).ok().and_then(|s| self.dups.get(&(key, s, tier_bit(medium)))).copied().unwrap_or(0)
     }
 
     /// The blocks of one call get the same generation stamp (so a chain stored together has
@@ -446,6 +500,16 @@ impl<B: BucketKind> PrefixIndex<B> {
             }
             None => base | tier,
         });
+        if tier != GPU {
+            if let Ok(slot16) = u16::try_from(slot) {
+                if prev_counted.is_some_and(|o| o & tier != 0) {
+                    *self.dups.entry((key, slot16, tier)).or_insert(0) += 1;
+                } else if !self.dups.is_empty() {
+                    // First store of this tier: a count left from an evicted membership is stale.
+                    self.dups.remove(&(key, slot16, tier));
+                }
+            }
+        }
         let s = &mut self.slots[slot];
         if was_spec {
             s.spec = s.spec.saturating_sub(1);
@@ -541,6 +605,21 @@ impl<B: BucketKind> PrefixIndex<B> {
         }
         let bit = tier_bit(medium);
         for &key in keys {
+            if bit != GPU && !self.dups.is_empty() {
+                if let Ok(slot16) = u16::try_from(slot) {
+                    if let Some(c) = self.dups.get_mut(&(key, slot16, bit)) {
+                        let held = held_in(&self.table, &self.slots, key, slot, bit);
+                        if held && *c > 1 {
+                            *c -= 1;
+                        } else {
+                            self.dups.remove(&(key, slot16, bit));
+                        }
+                        if held {
+                            continue; // another announcement still holds it
+                        }
+                    }
+                }
+            }
             let slots = &self.slots;
             let mut deleted_counted = None;
             self.table.modify(key, slot as u32, owner, |r| {
@@ -571,6 +650,10 @@ impl<B: BucketKind> PrefixIndex<B> {
     pub fn clear_slot(&mut self, slot: usize) {
         if !self.slots.get(slot).is_some_and(|s| s.active) {
             return;
+        }
+        if !self.dups.is_empty() {
+            let slot = slot as u16;
+            self.dups.retain(|k, _| k.1 != slot);
         }
         for _ in 0..GENERATIONS {
             self.advance(slot);
@@ -698,7 +781,9 @@ impl<B: BucketKind> PrefixIndex<B> {
     /// Size and memory figures.
     pub fn stats(&self) -> IndexStats {
         let memberships = self.slots.iter().filter(|s| s.active).map(|s| u64::from(s.live)).sum();
-        let memory = self.table.memory_bytes() + self.slots.capacity() * std::mem::size_of::<SlotState>();
+        let memory = self.table.memory_bytes()
+            + self.slots.capacity() * std::mem::size_of::<SlotState>()
+            + self.dups.len() * DUP_ENTRY_BYTES;
         IndexStats { memberships, keys: self.table.len() as u64, memory_bytes: memory as u64 }
     }
 
@@ -934,6 +1019,56 @@ mod tests {
         ix.speculate(&[8], 0, 5);
         ix.unspeculate(&[8], 0, (1 << 15) - 1);
         assert!(ix.contains(8, 0), "tick 5 is after the wrap");
+    }
+
+    #[test]
+    fn offload_stores_are_reference_counted_gpu_stores_are_not() {
+        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        ix.activate(0);
+        ix.activate(1);
+        // Store X twice on CPU, remove once: still held; remove again: gone.
+        ix.store(&[7], 0, Medium::Cpu);
+        ix.store(&[7], 0, Medium::Cpu);
+        assert_eq!(ix.duplicate_stores(7, 0, Medium::Cpu), 1);
+        ix.remove(&[7], 0, Medium::Cpu);
+        assert!(ix.holding(7, 0).is_some_and(|h| h.cpu));
+        ix.remove(&[7], 0, Medium::Cpu);
+        assert_eq!(ix.holding(7, 0), None);
+        assert_eq!(ix.duplicate_stores(7, 0, Medium::Cpu), 0);
+        // Per endpoint and per tier: another slot's or tier's removal does not consume the count.
+        ix.store(&[8], 0, Medium::Storage);
+        ix.store(&[8], 0, Medium::Storage);
+        ix.store(&[8], 1, Medium::Storage);
+        ix.remove(&[8], 1, Medium::Storage);
+        ix.remove(&[8], 0, Medium::Cpu);
+        assert_eq!(ix.duplicate_stores(8, 0, Medium::Storage), 1);
+        assert!(!ix.contains(8, 1));
+        // GPU re-stores are touches: one removal drops the tier.
+        ix.store(&[9], 0, Medium::Gpu);
+        ix.store(&[9], 0, Medium::Gpu);
+        ix.remove(&[9], 0, Medium::Gpu);
+        assert_eq!(ix.holding(9, 0), None);
+        // Clearing the endpoint drops its counts: a later single store is removed by one removal.
+        ix.clear_slot(0);
+        assert_eq!(ix.duplicate_stores(8, 0, Medium::Storage), 0);
+        ix.store(&[8], 0, Medium::Storage);
+        ix.remove(&[8], 0, Medium::Storage);
+        assert!(!ix.contains(8, 0));
+        // A count whose membership was evicted is stale: it does not keep a later store alive.
+        let cap = 64 * GENERATIONS;
+        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, cap);
+        ix.activate(0);
+        ix.store(&[1], 0, Medium::Cpu);
+        ix.store(&[1], 0, Medium::Cpu);
+        let mut filler = 100u64;
+        while ix.contains(1, 0) {
+            ix.store(&[filler], 0, Medium::Gpu);
+            filler += 1;
+        }
+        ix.store(&[1], 0, Medium::Cpu);
+        assert_eq!(ix.duplicate_stores(1, 0, Medium::Cpu), 0);
+        ix.remove(&[1], 0, Medium::Cpu);
+        assert!(!ix.contains(1, 0));
     }
 
     #[test]
