@@ -376,7 +376,9 @@ fn wait_for(sub: &Subscription, what: &str, cond: impl Fn(&SubscriberStats) -> b
 fn stop(sub: Subscription) -> SubscriberStats {
     let t = Instant::now();
     let stats = sub.stop().unwrap();
-    assert!(t.elapsed() < Duration::from_secs(1), "stop took {:?}", t.elapsed());
+    // A stop that hangs would never return; one that returns is prompt by construction (it wakes
+    // within one poll interval). The bound only catches the hang, with room for a busy machine.
+    assert!(t.elapsed() < WAIT, "stop took {:?}", t.elapsed());
     stats
 }
 
@@ -732,7 +734,7 @@ fn start_errors_and_shutdown() {
     let sub = Subscription::start(r, A, config(&publisher.endpoint()), clock).unwrap();
     let t = Instant::now();
     drop(sub);
-    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(t.elapsed() < WAIT, "drop took {:?}", t.elapsed());
 }
 
 #[test]

@@ -47,7 +47,7 @@ A = "127.0.0.1:18001"
 B = "127.0.0.1:18002"
 TOPIC = "kv"
 #: Upper bound of every wait on the subscriber thread (loopback: normally a few milliseconds).
-WAIT_S = 5.0
+WAIT_S = 15.0
 
 PRECISE_DUAL: dict[str, Any] = {"index": {"mode": "precise"}}
 PRECISE_ENGINE_SHA256_CBOR: dict[str, Any] = {
