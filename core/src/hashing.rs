@@ -130,8 +130,10 @@ impl ApproxHashing {
         self.block_tokens as usize * self.bytes_per_token as usize
     }
 
-    /// The chain seed for a model and tenant.
+    /// The chain seed for a model and tenant. An empty `cache_salt` is no salt (vLLM hashes it
+    /// as none), so `Some("")` and `None` give the same seed.
     pub fn seed(&self, model: &str, cache_salt: Option<&str>, token_ids: bool) -> u64 {
+        let cache_salt = cache_salt.filter(|s| !s.is_empty());
         let mut buf = Vec::with_capacity(model.len() + cache_salt.map_or(0, str::len) + 3);
         buf.extend_from_slice(model.as_bytes());
         buf.push(0xff);
@@ -221,11 +223,13 @@ pub struct DualKeyHashing {
 }
 
 impl DualKeyHashing {
-    /// The root of every chain for a LoRA adapter (or none) and a cache_salt (or none).
+    /// The root of every chain for a LoRA adapter (or none) and a cache_salt (or none). An empty
+    /// `cache_salt` is no salt, as vLLM hashes it (`Some("")` and `None` give the same root), for
+    /// request keys and for event chains alike.
     pub fn root(lora: Option<&str>, cache_salt: Option<&str>) -> u64 {
         let mut buf = Vec::with_capacity(32);
         buf.extend_from_slice(b"kvroute-dual");
-        for part in [lora, cache_salt] {
+        for part in [lora, cache_salt.filter(|s| !s.is_empty())] {
             match part {
                 Some(p) => {
                     buf.push(1);
@@ -461,9 +465,9 @@ mod tests {
             assert_ne!(*k, salted_a.keys[i]);
             assert_ne!(salted_a.keys[i], salted_b.keys[i]);
         }
-        // Empty salt is not the same as no salt.
+        // An empty salt is no salt (vLLM: `if request.cache_salt` adds no extra key for "").
         salted.cache_salt = Some(String::new());
-        assert_ne!(keys(&salted).keys[0], base.keys[0]);
+        assert_eq!(keys(&salted), base);
     }
 
     #[test]
@@ -502,6 +506,21 @@ mod tests {
         assert!(!d.request_keys(&r, &mut k));
         assert!(k.keys.is_empty());
         assert_ne!(DualKeyHashing::root(Some("a"), None), DualKeyHashing::root(None, Some("a")));
+    }
+
+    #[test]
+    fn empty_salt_is_no_salt_in_dual_keys() {
+        assert_eq!(DualKeyHashing::root(None, Some("")), DualKeyHashing::root(None, None));
+        assert_eq!(DualKeyHashing::root(Some("l"), Some("")), DualKeyHashing::root(Some("l"), None));
+        assert_ne!(DualKeyHashing::root(None, Some(" ")), DualKeyHashing::root(None, None));
+        let d = DualKeyHashing { block_tokens: 4 };
+        let mut r = RouteRequest::text("m", "");
+        r.prompts = vec![Prompt::Tokens((0..8).collect())];
+        let (mut plain, mut empty) = (RequestKeys::default(), RequestKeys::default());
+        assert!(d.request_keys(&r, &mut plain));
+        r.cache_salt = Some(String::new());
+        assert!(d.request_keys(&r, &mut empty));
+        assert_eq!(plain, empty);
     }
 
     #[test]

@@ -168,7 +168,8 @@ pub struct RouteRequest {
     pub model: String,
     /// LoRA adapter the model name maps to (config `request.lora_adapters`).
     pub lora_adapter: Option<String>,
-    /// Tenant isolation salt (`cache_salt` in the body).
+    /// Tenant isolation salt (`cache_salt` in the body). An empty `cache_salt` parses as `None`:
+    /// vLLM hashes it as no salt.
     pub cache_salt: Option<String>,
     /// `max_completion_tokens` or `max_tokens`.
     pub max_tokens: Option<u32>,
@@ -296,7 +297,8 @@ impl RouteRequest {
             api,
             lora_adapter: cfg.lora_adapters.get(&model).cloned(),
             model,
-            cache_salt: raw.cache_salt,
+            // vLLM hashes an empty salt as no salt; every surface sees `None` for it.
+            cache_salt: raw.cache_salt.filter(|s| !s.is_empty()),
             max_tokens,
             stream: raw.stream.unwrap_or(false),
             request_id: h.request_id,
@@ -930,6 +932,10 @@ mod tests {
         assert_eq!(r.request_id.as_deref(), Some("req-1"));
         assert_eq!(r.cache_salt.as_deref(), Some("t1"));
         assert_eq!(r.lora_adapter, None);
+        let r = parse(r#"{"model":"m","prompt":"x","cache_salt":""}"#, &[]).unwrap();
+        assert_eq!(r.cache_salt, None, "an empty salt is no salt");
+        let r = parse(r#"{"model":"m","prompt":"x","cache_salt":null}"#, &[]).unwrap();
+        assert_eq!(r.cache_salt, None);
         let mut cfg = RequestConfig::default();
         cfg.lora_adapters.insert("sql-lora".into(), "sql-adapter".into());
         let r = RouteRequest::parse(br#"{"model":"sql-lora","prompt":"x"}"#, [("a", "b")], &cfg).unwrap();
