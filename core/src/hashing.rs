@@ -53,9 +53,29 @@ pub struct RequestKeys {
     pub anchor: u64,
     /// Tokens per block (for converting matched blocks into tokens).
     pub block_tokens: u32,
+    /// Blocks of the prompt past its [`KeyLimit`](crate::request::KeyLimit) (estimated): never
+    /// keyed, never matched, but part of the prefix-hit denominator.
+    pub unkeyed_blocks: u32,
 }
 
 impl RequestKeys {
+    /// The prefix-hit denominator: keyed blocks plus [`RequestKeys::unkeyed_blocks`].
+    pub fn hit_blocks(&self) -> usize {
+        self.keys.len() + self.unkeyed_blocks as usize
+    }
+
+    /// The blocks past a request's [`KeyLimit`](crate::request::KeyLimit): its
+    /// [`RouteRequest::unkeyed_tokens`] plus `extra_tokens` (tokens before the limit that no full
+    /// keyed block covers), in blocks of `block_tokens`; at least one when the request has a
+    /// limit (so it is never a full hit), 0 without one.
+    pub fn unkeyed_blocks_of(req: &RouteRequest, extra_tokens: u64, block_tokens: u32, bytes_per_token: u32) -> u32 {
+        if req.key_limit.is_none() {
+            return 0;
+        }
+        let tokens = req.unkeyed_tokens(bytes_per_token).saturating_add(extra_tokens);
+        u32::try_from(tokens.div_ceil(u64::from(block_tokens.max(1)))).unwrap_or(u32::MAX).max(1)
+    }
+
     /// Iterate over the key slices of each prompt sequence.
     pub fn sequences(&self) -> impl Iterator<Item = &[BlockKey]> + '_ {
         let n = self.seq_starts.len();
@@ -148,38 +168,66 @@ impl ApproxHashing {
         xxh3_64_with_seed(&buf, self.hash_seed)
     }
 
-    /// Compute the keys of a request into `out` (cleared first; its buffers are reused).
+    /// Compute the keys of a request into `out` (cleared first; its buffers are reused). Keys end
+    /// at the request's [`KeyLimit`](crate::request::KeyLimit): the sequence it falls in is keyed
+    /// up to it, later sequences not at all, and what is past it counts in
+    /// [`RequestKeys::unkeyed_blocks`].
     pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) {
         out.keys.clear();
         out.seq_starts.clear();
         out.block_tokens = self.block_tokens;
+        out.unkeyed_blocks = 0;
+        let limit = req.key_limit;
         let salt = req.cache_salt.as_deref();
         let mut anchor = self.hash_seed ^ 0x9e37_79b9_7f4a_7c15;
         let (mut text_seed, mut token_seed) = (None, None);
         let mut scratch: Vec<u8> = Vec::new();
-        for p in &req.prompts {
+        for (i, p) in req.prompts.iter().enumerate() {
             let start = out.keys.len();
             out.seq_starts.push(u32::try_from(start).unwrap_or(u32::MAX));
+            // How much of this sequence may be keyed.
+            let keyed = |len: usize| match limit {
+                Some(l) if i == l.prompt => l.keyed_len.min(len),
+                Some(l) if i > l.prompt => 0,
+                _ => len,
+            };
             // The anchor covers the whole prompt without hashing it twice: the last full-block
             // key (which chains over every full block) plus the partial tail.
             let (seed, tail_hash) = match p {
                 Prompt::Text(bytes) => {
                     let seed = *text_seed.get_or_insert_with(|| self.seed(&req.model, salt, false));
-                    self.chain_bytes(seed, bytes, &mut out.keys);
-                    let full = bytes.len() - bytes.len() % self.block_bytes();
-                    (seed, xxh3_64(&bytes[full..]))
+                    self.chain_bytes(seed, &bytes[..keyed(bytes.len())], &mut out.keys);
+                    let n = out.keys.len() - start;
+                    (seed, xxh3_64(&bytes[n * self.block_bytes()..]))
                 }
                 Prompt::Tokens(ids) => {
                     let seed = *token_seed.get_or_insert_with(|| self.seed(&req.model, salt, true));
-                    self.chain_tokens(seed, ids, &mut out.keys, &mut scratch);
-                    let full = ids.len() - ids.len() % self.block_tokens as usize;
-                    (seed, xxh3_64(token_bytes(&ids[full..], &mut scratch)))
+                    self.chain_tokens(seed, &ids[..keyed(ids.len())], &mut out.keys, &mut scratch);
+                    let n = out.keys.len() - start;
+                    (seed, xxh3_64(token_bytes(&ids[n * self.block_tokens as usize..], &mut scratch)))
                 }
             };
             let last = out.keys[start..].last().copied().unwrap_or(seed);
             anchor = mix(anchor ^ last, tail_hash);
         }
         out.anchor = anchor;
+        if let Some(l) = limit {
+            // Tokens before the limit in the sequence it falls in that no full keyed block covers.
+            let extra = match req.prompts.get(l.prompt) {
+                Some(p) => {
+                    let lo = out.seq_starts.get(l.prompt).map_or(0, |&s| s as usize);
+                    let hi = out.seq_starts.get(l.prompt + 1).map_or(out.keys.len(), |&h| h as usize);
+                    let keyed_tokens = (hi - lo) as u64 * u64::from(self.block_tokens);
+                    let before = match p {
+                        Prompt::Text(b) => (l.keyed_len.min(b.len()) as u64) / u64::from(self.bytes_per_token.max(1)),
+                        Prompt::Tokens(t) => l.keyed_len.min(t.len()) as u64,
+                    };
+                    before.saturating_sub(keyed_tokens)
+                }
+                None => 0,
+            };
+            out.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(req, extra, self.block_tokens, self.bytes_per_token);
+        }
     }
 
     /// Append the chained keys of the full blocks of `bytes`.
@@ -254,24 +302,38 @@ impl DualKeyHashing {
     }
 
     /// The keys of a request into `out` (cleared first). Returns `false`, leaving `out` empty,
-    /// when a prompt sequence is text (precise keys need token ids).
+    /// when a prompt sequence is text (precise keys need token ids). Keys end at the request's
+    /// [`KeyLimit`](crate::request::KeyLimit), as in [`ApproxHashing::request_keys`].
     pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) -> bool {
         out.keys.clear();
         out.seq_starts.clear();
         out.block_tokens = self.block_tokens;
         out.anchor = 0;
+        out.unkeyed_blocks = 0;
         let root = Self::root(req.lora_adapter.as_deref(), req.cache_salt.as_deref());
         let mut scratch = Vec::with_capacity(self.block_tokens as usize * 4);
-        for p in &req.prompts {
+        let mut extra = 0u64;
+        for (i, p) in req.prompts.iter().enumerate() {
             let Prompt::Tokens(ids) = p else {
                 out.keys.clear();
                 out.seq_starts.clear();
                 return false;
             };
             out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
+            let ids = match req.key_limit {
+                Some(l) if i == l.prompt => &ids[..l.keyed_len.min(ids.len())],
+                Some(l) if i > l.prompt => &[],
+                _ => &ids[..],
+            };
+            let before = out.keys.len();
             let last = self.chain(root, ids, &mut out.keys, &mut scratch);
             out.anchor ^= last;
+            if req.key_limit.is_some_and(|l| l.prompt == i) {
+                extra = (ids.len() - (out.keys.len() - before) * self.block_tokens as usize) as u64;
+            }
         }
+        // Token ids are tokens: no byte estimate is involved.
+        out.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(req, extra, self.block_tokens, 1);
         true
     }
 }

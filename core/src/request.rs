@@ -3,9 +3,27 @@
 //!
 //! Chat requests are rendered (without a tokenizer) into a canonical byte string: optional `tools`
 //! (canonical JSON), then every message as `\x01 role [\x1f name] \x02 content [\x1f tool data] \x03`.
-//! A conversation that grows by appending messages therefore grows its rendering by appending
-//! bytes, which is what prefix matching needs.
-
+//! Content parts are joined with `\n`, as vLLM joins them for a chat template. A conversation
+//! that grows by appending messages therefore grows its rendering by appending bytes, which is
+//! what prefix matching needs.
+//!
+//! # Parts the router cannot key
+//!
+//! Text content parts (`text`, `input_text`, `output_text`, `refusal`, `thinking`, the types
+//! vLLM reads as text) are keyed like string content. Any other part (`image_url`,
+//! `input_audio`, `video_url`, `file`, `prompt_embeds`, …) enters the engine's block hashes
+//! through data the router does not have (vLLM hashes the decoded media, or the part's `uuid`,
+//! into the blocks that cover its placeholder tokens, and every later block chains on them), so
+//! a request's keys must end before it. Where it ends is recorded in [`RouteRequest::key_limit`]:
+//! at the start of the *content* of the first message that holds such a part, not at the part
+//! itself, because vLLM puts a message's media placeholders in front of its text by default (and
+//! at the part's place with `--interleave-mm-strings`); the prefix before that message's content
+//! is the same in both cases. Every key scheme honours the limit (approximate keys over this
+//! rendering, tokenizer keys over the rendered chat template, see `tokenize`), and the blocks
+//! past it still count in the prefix-hit denominator: each such part is estimated at
+//! [`MEDIA_PART_TOKENS`] tokens, so two chats that differ only in an image share exactly the
+//! prefix before it and are never a full hit. A completions body with `prompt_embeds` (vLLM) gets
+//! a limit too: the embeddings are extra sequences the router cannot key.
 use std::fmt;
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
@@ -159,6 +177,37 @@ pub struct ChatInput {
     pub continue_final_message: bool,
 }
 
+/// Tokens a content part the router cannot key (an image, an audio clip, a video, embeddings,
+/// …) is assumed to take in the engine's prompt, for the input length and the prefix-hit
+/// denominator. The real count depends on the model and the media (vLLM: 576 per LLaVA-1.5
+/// image, 256 per Gemma 3 image, hundreds to thousands for Qwen2-VL).
+pub const MEDIA_PART_TOKENS: u32 = 256;
+
+/// Where a request's block keys must end: before the first part the router cannot key exactly
+/// (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyLimit {
+    /// The prompt sequence the keys end in (`prompts.len()` when every sequence is keyed in full
+    /// and only further, unkeyable sequences follow, e.g. `prompt_embeds`).
+    pub prompt: usize,
+    /// Bytes (text) or token ids of that sequence that can be keyed.
+    pub keyed_len: usize,
+    /// Chat requests: the message whose content holds the first unkeyable part. Keys from the
+    /// chat template end where that message's content starts.
+    pub message: Option<usize>,
+    /// Unkeyable parts (or `prompt_embeds` sequences) from the limit on, each counted as
+    /// [`MEDIA_PART_TOKENS`] tokens.
+    pub media_parts: u32,
+}
+
+impl KeyLimit {
+    /// Tokens of the media parts (estimated).
+    pub fn media_tokens(&self) -> u64 {
+        u64::from(self.media_parts) * u64::from(MEDIA_PART_TOKENS)
+    }
+}
+
 /// A parsed inference request: everything routing needs, nothing else.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteRequest {
@@ -190,6 +239,9 @@ pub struct RouteRequest {
     pub prompts: Vec<Prompt>,
     /// Chat requests: the template inputs (for exact tokenization).
     pub chat: Option<ChatInput>,
+    /// Where the block keys must end (a content part or sequence the router cannot key), if
+    /// anywhere.
+    pub key_limit: Option<KeyLimit>,
 }
 
 impl RouteRequest {
@@ -209,12 +261,37 @@ impl RouteRequest {
             hint: JudgmentHint::default(),
             prompts: vec![Prompt::Text(prompt.as_bytes().to_vec())],
             chat: None,
+            key_limit: None,
         }
     }
 
-    /// Total input tokens over all prompt sequences.
+    /// Total input tokens over all prompt sequences, plus [`MEDIA_PART_TOKENS`] for each part the
+    /// router cannot key.
     pub fn input_tokens(&self, bytes_per_token: u32) -> u64 {
-        self.prompts.iter().map(|p| p.tokens(bytes_per_token)).sum()
+        self.prompts.iter().map(|p| p.tokens(bytes_per_token)).sum::<u64>()
+            + self.key_limit.map_or(0, |l| l.media_tokens())
+    }
+
+    /// Input tokens past [`RouteRequest::key_limit`] (estimated; 0 without a limit): the rest of
+    /// the sequence it ends in, every later sequence and the media parts.
+    pub fn unkeyed_tokens(&self, bytes_per_token: u32) -> u64 {
+        let Some(l) = self.key_limit else { return 0 };
+        let rest: u64 = self
+            .prompts
+            .iter()
+            .enumerate()
+            .skip(l.prompt)
+            .map(|(i, p)| {
+                let skip = if i == l.prompt { l.keyed_len } else { 0 };
+                match p {
+                    Prompt::Text(b) => {
+                        (b.len().saturating_sub(skip) as u64).div_ceil(u64::from(bytes_per_token.max(1)))
+                    }
+                    Prompt::Tokens(t) => t.len().saturating_sub(skip) as u64,
+                }
+            })
+            .sum();
+        rest + l.media_tokens()
     }
 
     /// The output-token budget: `max_tokens` if given, else the API default (16 for completions,
@@ -266,15 +343,26 @@ impl RouteRequest {
             Some(_) => return Err(RequestError::field("model", "must not be empty")),
             None => return Err(RequestError::field("model", "missing")),
         };
+        let mut key_limit = None;
         let (prompts, chat) = match api {
             Api::Completions => match raw.prompt {
-                Some(p) => (p.0, None),
+                Some(p) => {
+                    // vLLM runs `prompt_embeds` as further sequences of embeddings, no token ids.
+                    let embeds = raw.prompt_embeds.as_ref().map_or(0, PromptEmbeds::count);
+                    if embeds > 0 {
+                        key_limit =
+                            Some(KeyLimit { prompt: p.0.len(), keyed_len: 0, message: None, media_parts: embeds });
+                    }
+                    (p.0, None)
+                }
                 None => return Err(RequestError::field("prompt", "missing (required for /v1/completions)")),
             },
             Api::ChatCompletions => match raw.messages {
                 Some(msgs) if msgs.is_empty() => return Err(RequestError::field("messages", "must not be empty")),
                 Some(msgs) => {
-                    let prompt = Prompt::Text(render_chat(&msgs, raw.tools.as_deref()));
+                    let (rendered, cut) = render_chat(&msgs, raw.tools.as_deref());
+                    key_limit = cut;
+                    let prompt = Prompt::Text(rendered);
                     let chat = ChatInput {
                         messages: msgs.into_iter().map(|ObjectOnly(m)| m.into_message()).collect(),
                         tools: raw.tools.as_deref().map(|t| RawJson(t.get().into())),
@@ -308,6 +396,7 @@ impl RouteRequest {
             hint: h.hint,
             prompts,
             chat,
+            key_limit,
         })
     }
 }
@@ -403,6 +492,42 @@ struct RawBody {
     chat_template_kwargs: Option<std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>>,
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
+    prompt_embeds: Option<PromptEmbeds>,
+}
+
+/// vLLM's `prompt_embeds`: one base64 tensor or a list of them (only their number matters).
+struct PromptEmbeds(u32);
+
+impl PromptEmbeds {
+    fn count(&self) -> u32 {
+        self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for PromptEmbeds {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PromptEmbeds;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a base64 string or a list of them")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<PromptEmbeds, E> {
+                Ok(PromptEmbeds(0))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<PromptEmbeds, E> {
+                Ok(PromptEmbeds(1))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptEmbeds, A::Error> {
+                let mut n = 0u32;
+                while seq.next_element::<de::IgnoredAny>()?.is_some() {
+                    n = n.saturating_add(1);
+                }
+                Ok(PromptEmbeds(n))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Deserializes `T` only from a JSON object: serde's derived structs also accept arrays of
@@ -441,14 +566,9 @@ impl RawMessage {
         let content = match self.content {
             RawContent::None => None,
             RawContent::Text(t) => Some(t),
-            RawContent::Parts(parts) => Some(
-                parts
-                    .iter()
-                    .filter(|p| p.get("type").and_then(|t| t.as_str()) == Some("text"))
-                    .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            ),
+            // The text parts joined as vLLM joins them; media parts cannot be rendered here (see
+            // `RouteRequest::key_limit`, which ends the keys before this message's content).
+            RawContent::Parts(parts) => Some(parts.iter().filter_map(part_text).collect::<Vec<_>>().join("\n")),
         };
         ChatMessage {
             role: self.role,
@@ -727,7 +847,22 @@ impl<'de> Deserialize<'de> for RawContent {
     }
 }
 
-fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value::RawValue>) -> Vec<u8> {
+/// The text of a content part vLLM reads as text, `None` for any other part.
+fn part_text(p: &serde_json::Value) -> Option<&str> {
+    let field = match p.get("type").and_then(|t| t.as_str())? {
+        "text" | "input_text" | "output_text" => "text",
+        "refusal" => "refusal",
+        "thinking" => "thinking",
+        _ => return None,
+    };
+    p.get(field).and_then(|t| t.as_str())
+}
+
+/// The rendering, and where its keys must end when a part cannot be keyed.
+fn render_chat(
+    msgs: &[ObjectOnly<RawMessage>],
+    tools: Option<&serde_json::value::RawValue>,
+) -> (Vec<u8>, Option<KeyLimit>) {
     let mut out = Vec::with_capacity(
         msgs.iter()
             .map(|ObjectOnly(m)| {
@@ -740,12 +875,13 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value
             })
             .sum(),
     );
+    let mut limit: Option<KeyLimit> = None;
     if let Some(t) = tools {
         out.extend_from_slice(b"\x01tools\x02");
         out.extend_from_slice(t.get().as_bytes());
         out.push(0x03);
     }
-    for ObjectOnly(m) in msgs {
+    for (i, ObjectOnly(m)) in msgs.iter().enumerate() {
         out.push(0x01);
         out.extend_from_slice(m.role.as_bytes());
         if let Some(n) = &m.name {
@@ -757,15 +893,23 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value
             RawContent::None => {}
             RawContent::Text(t) => out.extend_from_slice(t.as_bytes()),
             RawContent::Parts(parts) => {
-                for p in parts {
-                    match p.get("text").and_then(|t| t.as_str()) {
-                        Some(text) if p.get("type").and_then(|t| t.as_str()) == Some("text") => {
-                            out.extend_from_slice(text.as_bytes());
-                        }
-                        _ => {
+                let content_start = out.len();
+                for (j, p) in parts.iter().enumerate() {
+                    if j > 0 {
+                        out.push(b'\n');
+                    }
+                    match part_text(p) {
+                        Some(text) => out.extend_from_slice(text.as_bytes()),
+                        None => {
+                            // Not keyed, so not rendered: a marker keeps the length honest.
                             out.push(0x1e);
-                            out.extend_from_slice(p.to_string().as_bytes());
-                            out.push(0x1e);
+                            let l = limit.get_or_insert(KeyLimit {
+                                prompt: 0,
+                                keyed_len: content_start,
+                                message: Some(i),
+                                media_parts: 0,
+                            });
+                            l.media_parts = l.media_parts.saturating_add(1);
                         }
                     }
                 }
@@ -781,7 +925,7 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value
         }
         out.push(0x03);
     }
-    out
+    (out, limit)
 }
 
 #[cfg(test)]
@@ -849,9 +993,62 @@ mod tests {
         assert_eq!(a.max_tokens, Some(7), "max_completion_tokens wins");
         let Prompt::Text(bytes) = &a.prompts[0] else { panic!() };
         let s = String::from_utf8_lossy(bytes);
-        assert!(s.starts_with("\u{1}system\u{2}be brief\u{3}\u{1}user\u{2}hi\u{1e}"), "{s:?}");
-        assert!(s.contains("http://x/y.png"));
+        assert_eq!(s, "\u{1}system\u{2}be brief\u{3}\u{1}user\u{2}hi\n\u{1e}\u{3}");
+        let head = "\u{1}system\u{2}be brief\u{3}\u{1}user\u{2}".len();
+        assert_eq!(a.key_limit, Some(KeyLimit { prompt: 0, keyed_len: head, message: Some(1), media_parts: 1 }));
         assert_eq!(a.effective_max_tokens(), Some(7));
+        assert_eq!(a.input_tokens(4), (s.len() as u64).div_ceil(4) + u64::from(MEDIA_PART_TOKENS));
+        assert_eq!(a.unkeyed_tokens(4), (s.len() as u64 - head as u64).div_ceil(4) + u64::from(MEDIA_PART_TOKENS));
+        assert_eq!(a.chat.unwrap().messages[1].content.as_deref(), Some("hi"));
+    }
+
+    #[test]
+    fn parts_the_router_cannot_key_limit_the_keys() {
+        let body = |user: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"S"}},{{"role":"user","content":{user}}},{{"role":"user","content":[{{"type":"input_audio","input_audio":{{"data":"AAAA","format":"wav"}}}}]}}]}}"#
+            )
+        };
+        let a = parse(
+            &body(r#"[{"type":"image_url","image_url":{"url":"http://x/a.png"}},{"type":"text","text":"q"}]"#),
+            &[],
+        )
+        .unwrap();
+        let b = parse(
+            &body(r#"[{"type":"image_url","image_url":{"url":"http://x/b.png"}},{"type":"text","text":"q"}]"#),
+            &[],
+        )
+        .unwrap();
+        // Only the marker is rendered, never the part itself, and the limit is the user content.
+        assert_eq!(a.prompts, b.prompts);
+        let l = a.key_limit.unwrap();
+        assert_eq!((l.prompt, l.message, l.media_parts), (0, Some(1), 2));
+        let Prompt::Text(bytes) = &a.prompts[0] else { panic!() };
+        assert!(bytes[..l.keyed_len].ends_with(b"\x01user\x02"));
+        assert!(!bytes.windows(5).any(|w| w == b"a.png"));
+        // Text-typed parts vLLM reads as text are keyed like string content, joined with "\n".
+        let t = parse(
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+            &[],
+        )
+        .unwrap();
+        let s = parse(r#"{"model":"m","messages":[{"role":"user","content":"a\nb"}]}"#, &[]).unwrap();
+        assert_eq!((t.prompts.clone(), t.key_limit), (s.prompts, None));
+        assert_eq!(t.chat.unwrap().messages[0].content.as_deref(), Some("a\nb"));
+        // Two text parts are not one: "a","b" renders as "a\nb", not "ab".
+        let ab = parse(r#"{"model":"m","messages":[{"role":"user","content":"ab"}]}"#, &[]).unwrap();
+        assert_ne!(t.prompts, ab.prompts);
+        // prompt_embeds (vLLM completions): the embeddings are sequences the router cannot key.
+        let e = parse(r#"{"model":"m","prompt":[1,2,3],"prompt_embeds":["AAAA","BBBB"]}"#, &[]).unwrap();
+        assert_eq!(e.key_limit, Some(KeyLimit { prompt: 1, keyed_len: 0, message: None, media_parts: 2 }));
+        assert_eq!(e.input_tokens(4), 3 + 2 * u64::from(MEDIA_PART_TOKENS));
+        assert_eq!(e.unkeyed_tokens(4), 2 * u64::from(MEDIA_PART_TOKENS));
+        let e = parse(r#"{"model":"m","prompt":"x","prompt_embeds":null}"#, &[]).unwrap();
+        assert_eq!(e.key_limit, None);
+        let e = parse(r#"{"model":"m","prompt":"x","prompt_embeds":"AAAA"}"#, &[]).unwrap();
+        assert_eq!(e.key_limit.map(|l| l.media_parts), Some(1));
+        let e = parse(r#"{"model":"m","prompt":"x","prompt_embeds":5}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "prompt_embeds"), "{e:?}");
     }
 
     #[test]

@@ -819,6 +819,9 @@ impl Router {
             let mut bufs = cell.take();
             bufs.has_precise =
                 active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
+            // Token-id sequences are keyed in full; what the request cannot key (prompt_embeds)
+            // still counts in the hit denominator.
+            bufs.precise.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(req, 0, active.precise_keys.block_tokens(), 1);
             if active.reads_approx() || !bufs.has_precise {
                 active.hashing.request_keys(req, &mut bufs.approx);
             } else {
@@ -896,7 +899,8 @@ impl Router {
         let session_ref = session_key.and_then(|k| st.sessions.peek(&k).copied()).filter(|r| st.live_ref(*r));
 
         let per_block = |n: usize| if n == 0 { 0.0 } else { 1.0 / n as f64 };
-        let (approx_per_block, precise_per_block) = (per_block(keys.keys.len()), per_block(bufs.precise.keys.len()));
+        let (approx_per_block, precise_per_block) =
+            (per_block(keys.hit_blocks()), per_block(bufs.precise.hit_blocks()));
         let roster = st.endpoints.roster().clone();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
         let mut slots = std::mem::take(&mut st.slots_buf);

@@ -1,0 +1,118 @@
+//! Multimodal chat requests on the approximate (tokenizer-free) index: keys end before the first
+//! content part the router cannot key, and what lies past it still counts against the hit.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use kvroute::request::MEDIA_PART_TOKENS;
+use kvroute::{ApproxHashing, EndpointSpec, MetricsSnapshot, Mode, Policy, RequestKeys, Role, RouteRequest, Router};
+use serde_json::{json, Value};
+
+const A: &str = "10.0.0.1:8000";
+const B: &str = "10.0.0.2:8000";
+
+fn router() -> Router {
+    let r = Router::default();
+    for (id, waiting) in [(A, 0), (B, 1)] {
+        r.upsert_endpoint(EndpointSpec::new(id, Role::Decode)).unwrap();
+        r.update_metrics(id, MetricsSnapshot { waiting, kv_usage: 0.2, updated_ms: 0, ..Default::default() }).unwrap();
+    }
+    r
+}
+
+fn system() -> String {
+    "You answer questions about pictures, briefly and precisely. ".repeat(40)
+}
+
+fn image(url: &str) -> Value {
+    json!({"type": "image_url", "image_url": {"url": url}})
+}
+
+fn body(messages: Value) -> String {
+    json!({"model": "llava", "messages": messages, "max_tokens": 300}).to_string()
+}
+
+/// A chat whose user turn is some text followed by an image.
+fn with_image(url: &str) -> String {
+    body(json!([
+        {"role": "system", "content": system()},
+        {"role": "user", "content": [{"type": "text", "text": "What is in this picture? ".repeat(20)}, image(url)]},
+    ]))
+}
+
+fn keys(body: &str) -> RequestKeys {
+    let p = Policy::default();
+    let i = &p.config().index;
+    let h = ApproxHashing { block_tokens: i.block_tokens, bytes_per_token: i.bytes_per_token, hash_seed: i.hash_seed };
+    let req = RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
+    let mut k = RequestKeys::default();
+    h.request_keys(&req, &mut k);
+    k
+}
+
+#[test]
+fn chats_that_differ_only_in_the_image_share_only_the_prefix_before_it() {
+    let r = router();
+    let first = r.route_http(with_image("https://example.invalid/cat.png").as_bytes(), [("x", "y")], 0).unwrap();
+    assert_eq!(first.endpoint.as_deref(), Some(A));
+    r.complete(&first.request_id).unwrap();
+
+    let second = with_image("https://example.invalid/dog.png");
+    let d = r.route_http(second.as_bytes(), [("x", "y")], 1).unwrap();
+    let k = keys(&second);
+    // The keys stop where the user message's content starts: the system prompt's blocks.
+    let system_blocks = (system().len() + "\u{1}system\u{2}\u{3}\u{1}user\u{2}".len()) / (64 * 4);
+    assert_eq!(k.keys.len(), system_blocks);
+    assert!(u64::from(k.unkeyed_blocks) >= u64::from(MEDIA_PART_TOKENS) / 64);
+    let a = d.score(A).unwrap();
+    assert_eq!(a.matched_blocks as usize, system_blocks, "no hit past the start of the image's message");
+    let want = system_blocks as f64 / k.hit_blocks() as f64;
+    assert!((d.prefix_hit - want).abs() < 1e-12, "{} vs {want}", d.prefix_hit);
+    assert!(d.prefix_hit < 0.9);
+    assert_ne!(d.mode, Some(Mode::DecodeDirect), "a new image needs its prefill");
+    assert!(d.input_tokens >= u64::from(MEDIA_PART_TOKENS));
+
+    // The exact repeat, same URL: still not a full hit (the URL may serve other bytes).
+    r.complete(&d.request_id).unwrap();
+    let d = r.route_http(second.as_bytes(), [("x", "y")], 2).unwrap();
+    assert!(d.prefix_hit < 1.0);
+    assert_eq!(d.score(A).unwrap().matched_blocks as usize, system_blocks);
+}
+
+#[test]
+fn an_image_appended_after_the_text_keeps_the_text_prefix() {
+    let r = router();
+    let text = [
+        json!({"role": "system", "content": system()}),
+        json!({"role": "user", "content": "Describe the plot of the film in detail. ".repeat(20)}),
+    ];
+    let plain = body(Value::Array(text.to_vec()));
+    let first = r.route_http(plain.as_bytes(), [("x", "y")], 0).unwrap();
+    r.complete(&first.request_id).unwrap();
+    let text_blocks = keys(&plain).keys.len();
+    assert!(text_blocks > 10);
+
+    // The same conversation with a further user message holding an image.
+    let mut more = text.to_vec();
+    more.push(json!({"role": "user", "content": [image("https://example.invalid/poster.png")]}));
+    let more = body(Value::Array(more));
+    let k = keys(&more);
+    assert!(k.keys.len() >= text_blocks);
+    let d = r.route_http(more.as_bytes(), [("x", "y")], 1).unwrap();
+    assert_eq!(d.endpoint, first.endpoint);
+    assert_eq!(d.score(A).unwrap().matched_blocks as usize, text_blocks, "every block of the text-only chat");
+    assert!(d.prefix_hit < 1.0);
+}
+
+#[test]
+fn text_typed_parts_are_keyed_like_string_content() {
+    let parts = body(json!([
+        {"role": "system", "content": system()},
+        {"role": "user", "content": [{"type": "input_text", "text": "first"}, {"type": "text", "text": "second"}]},
+    ]));
+    let string = body(json!([
+        {"role": "system", "content": system()},
+        {"role": "user", "content": "first\nsecond"},
+    ]));
+    let (a, b) = (keys(&parts), keys(&string));
+    assert_eq!(a, b);
+    assert_eq!(a.unkeyed_blocks, 0);
+}
