@@ -845,7 +845,8 @@ impl Router {
     #[cfg(feature = "tokenizer")]
     fn tokenize_into(&self, active: &ActivePolicy, req: &RouteRequest, bufs: &mut KeyBufs) {
         let Some(tok) = self.tokenizer.load_full() else { return };
-        match tok.request_token_ids(req) {
+        // Only the ids before the request's key limit (a part the router cannot key) are keyed.
+        match tok.keyable_token_ids(req) {
             Ok(seqs) => {
                 let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
                 bufs.has_precise = active.precise_keys.keys_for_tokens(
@@ -855,7 +856,15 @@ impl Router {
                     &mut bufs.precise,
                     &mut bufs.scratch,
                 );
-                bufs.exact_input_tokens = Some(seqs.iter().map(|s| s.len() as u64).sum());
+                let keyed: u64 = seqs.iter().map(|s| s.len() as u64).sum();
+                let bpt = active.policy.config().index.bytes_per_token;
+                let bt = u64::from(active.precise_keys.block_tokens().max(1));
+                // Past the last full block of the cut sequence, plus the boundary token dropped.
+                let extra = req.key_limit.and_then(|l| seqs.get(l.prompt)).map_or(0, |s| s.len() as u64 % bt + 1);
+                bufs.precise.unkeyed_blocks =
+                    RequestKeys::unkeyed_blocks_of(req, extra, active.precise_keys.block_tokens(), bpt);
+                let unkeyed = if req.key_limit.is_some() { req.unkeyed_tokens(bpt) + extra } else { 0 };
+                bufs.exact_input_tokens = Some(keyed + unkeyed);
             }
             Err(_) => {
                 self.tokenize_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
