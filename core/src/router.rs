@@ -821,7 +821,12 @@ impl Router {
                 active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
             // Token-id sequences are keyed in full; what the request cannot key (prompt_embeds)
             // still counts in the hit denominator.
-            bufs.precise.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(req, 0, active.precise_keys.block_tokens(), 1);
+            bufs.precise.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(
+                req,
+                0,
+                active.precise_keys.block_tokens(),
+                active.policy.config().index.bytes_per_token,
+            );
             if active.reads_approx() || !bufs.has_precise {
                 active.hashing.request_keys(req, &mut bufs.approx);
             } else {

@@ -1283,8 +1283,13 @@ impl Tokenizer {
                 (Prompt::Tokens(ids), std::cmp::Ordering::Equal) => Ok(ids[..limit.keyed_len.min(ids.len())].to_vec()),
                 (Prompt::Tokens(ids), std::cmp::Ordering::Less) => Ok(ids.clone()),
                 (Prompt::Text(bytes), std::cmp::Ordering::Equal) => {
-                    let mut ids =
-                        self.encode_prompt_impl(&String::from_utf8_lossy(&bytes[..limit.keyed_len.min(bytes.len())]))?;
+                    let head = &bytes[..limit.keyed_len.min(bytes.len())];
+                    // A limit inside a UTF-8 sequence: cut before that character.
+                    let head = match std::str::from_utf8(head) {
+                        Ok(s) => s,
+                        Err(e) => std::str::from_utf8(&head[..e.valid_up_to()]).unwrap_or_default(),
+                    };
+                    let mut ids = self.encode_prompt_impl(head)?;
                     ids.pop();
                     Ok(ids)
                 }
@@ -1474,6 +1479,27 @@ mod tests {
         ] {
             assert_eq!(py_float_repr(f), want, "{f}");
         }
+    }
+
+    #[test]
+    fn a_limit_inside_a_completions_prompt_cuts_before_its_character() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizer");
+        let tok = Tokenizer::from_dir(dir).unwrap();
+        let text = "Grüße aus Köln, und noch viel mehr Text danach.";
+        let mut req = crate::request::RouteRequest::text("m", text);
+        let at = text.find('ö').unwrap() + 1; // inside the two bytes of 'ö'
+        req.key_limit = Some(crate::request::KeyLimit { prompt: 0, keyed_len: at, message: None, media_parts: 1 });
+        let keyable = tok.keyable_token_ids(&req).unwrap();
+        let full = tok.encode_prompt(text).unwrap();
+        assert_eq!(keyable.len(), 1);
+        assert!(!keyable[0].is_empty() && full.starts_with(&keyable[0]));
+        let head = tok.encode_prompt(&text[..at - 1]).unwrap();
+        assert_eq!(keyable[0].len() + 1, head.len());
+        // A second sequence after the limit yields no ids; one before it all of them.
+        req.prompts.push(crate::request::Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(tok.keyable_token_ids(&req).unwrap()[1], Vec::<u32>::new());
+        req.key_limit = Some(crate::request::KeyLimit { prompt: 1, keyed_len: 2, message: None, media_parts: 0 });
+        assert_eq!(tok.keyable_token_ids(&req).unwrap(), vec![full, vec![1, 2]]);
     }
 
     #[test]
