@@ -1148,10 +1148,21 @@ mod tests {
             ("x-kvroute-bypass-probability", "1.5"),
             ("x-kvroute-bypass-probability", "NaN"),
             (":path", "/v1/embeddings"),
+            // vLLM's tokens-in API carries media features next to token ids: not routed.
+            (":path", "/inference/v1/generate"),
         ] {
             let e = parse(r#"{"model":"m","prompt":"x"}"#, &[(h, v)]).unwrap_err();
             assert!(matches!(&e, RequestError::Header { header, value, .. } if header == h && value == v), "{e:?}");
         }
+    }
+
+    #[test]
+    fn token_ids_with_media_features_are_not_a_completions_body() {
+        // vLLM's `/inference/v1/generate` body (token ids plus multimodal features) has no
+        // `prompt`: it is an error, never a token-id prompt keyed past its media.
+        let e =
+            parse(r#"{"model":"m","token_ids":[1,2,3],"features":{"mm_hashes":{"image":["h"]}}}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "prompt"), "{e:?}");
     }
 
     #[test]

@@ -116,3 +116,50 @@ fn text_typed_parts_are_keyed_like_string_content() {
     assert_eq!(a, b);
     assert_eq!(a.unkeyed_blocks, 0);
 }
+
+/// vLLM's completions `prompt_embeds` run as further sequences the router cannot key: the token
+/// prompts are keyed in full, the embeddings count against the hit, on both indexes.
+#[test]
+fn prompt_embeds_are_never_a_full_hit() {
+    use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
+    let ids: Vec<u32> = (0..1024).collect();
+    let plain = json!({"model": "m", "prompt": ids, "max_tokens": 300}).to_string();
+    let embeds = json!({"model": "m", "prompt": ids, "prompt_embeds": ["AAAA"], "max_tokens": 300}).to_string();
+
+    let r = router();
+    let first = r.route_http(plain.as_bytes(), [("x", "y")], 0).unwrap();
+    r.complete(&first.request_id).unwrap();
+    let d = r.route_http(embeds.as_bytes(), [("x", "y")], 1).unwrap();
+    let blocks = 1024 / 64;
+    assert_eq!(d.score(A).unwrap().matched_blocks, blocks);
+    let want = f64::from(blocks) / f64::from(blocks + MEDIA_PART_TOKENS / 64);
+    assert!((d.prefix_hit - want).abs() < 1e-12, "{} vs {want}", d.prefix_hit);
+    assert_eq!(d.input_tokens, 1024 + u64::from(MEDIA_PART_TOKENS));
+
+    let r = Router::new(Policy::from_json(r#"{"index":{"mode":"precise"}}"#).unwrap());
+    for id in [A, B] {
+        r.upsert_endpoint(EndpointSpec::new(id, Role::Decode)).unwrap();
+        r.update_metrics(id, MetricsSnapshot { kv_usage: 0.2, ..Default::default() }).unwrap();
+    }
+    let ev = KvEvent::BlockStored(BlockStored {
+        block_hashes: (0..64).collect(),
+        parent_block_hash: None,
+        token_ids: ids,
+        block_size: 16,
+        lora_id: None,
+        medium: Medium::Gpu,
+        lora_name: None,
+        group_idx: None,
+        cache_salt: None,
+    });
+    r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), 0).unwrap();
+    let full = r.route_http(plain.as_bytes(), [("x", "y")], 1).unwrap();
+    assert_eq!((full.prefix_hit, full.mode), (1.0, Some(Mode::DecodeDirect)));
+    r.complete(&full.request_id).unwrap();
+    let d = r.route_http(embeds.as_bytes(), [("x", "y")], 2).unwrap();
+    let s = d.score(B).unwrap();
+    assert!(s.precise);
+    assert_eq!(s.matched_blocks, 64);
+    assert!((d.prefix_hit - 64.0 / 80.0).abs() < 1e-12, "{}", d.prefix_hit);
+    assert_ne!(d.mode, Some(Mode::DecodeDirect));
+}
