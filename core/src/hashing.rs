@@ -17,7 +17,15 @@
 //! `__multi3` call each there.
 //!
 //! so a key identifies the whole prefix up to and including its block, within one model and one
-//! tenant (`cache_salt`): two different salts never share a key. Key 0 is reserved (remapped to 1).
+//! tenant (`cache_salt`): two different salts never share a key, and an empty salt is no salt (as
+//! vLLM hashes it). Key 0 is reserved (remapped to 1).
+//!
+//! Media in a chat (see `request`): the identity of a media message whose media all have one is
+//! mixed into the hash of the block where its content starts (`block_hash ← mix(block_hash,
+//! identity)`), so renderings share keys past it only when their media are the same; keys end at
+//! the request's key limit (the first media without an identity, or `prompt_embeds`), and what
+//! lies past it is counted in [`RequestKeys::unkeyed_blocks`], the prefix-hit denominator's
+//! share that can never match.
 
 #[cfg(not(target_arch = "wasm32"))]
 use rapidhash::v3::rapidhash_v3;
@@ -25,7 +33,7 @@ use rapidhash::v3::rapidhash_v3;
 use wide::rapidhash_v3;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use crate::request::{Prompt, RouteRequest};
+use crate::request::{MediaKey, Prompt, RouteRequest};
 
 /// A 64-bit chained block key.
 pub type BlockKey = u64;
@@ -64,16 +72,11 @@ impl RequestKeys {
         self.keys.len() + self.unkeyed_blocks as usize
     }
 
-    /// The blocks past a request's [`KeyLimit`](crate::request::KeyLimit): its
-    /// [`RouteRequest::unkeyed_tokens`] plus `extra_tokens` (tokens before the limit that no full
-    /// keyed block covers), in blocks of `block_tokens`; at least one when the request has a
-    /// limit (so it is never a full hit), 0 without one.
-    pub fn unkeyed_blocks_of(req: &RouteRequest, extra_tokens: u64, block_tokens: u32, bytes_per_token: u32) -> u32 {
-        if req.key_limit.is_none() {
-            return 0;
-        }
-        let tokens = req.unkeyed_tokens(bytes_per_token).saturating_add(extra_tokens);
-        u32::try_from(tokens.div_ceil(u64::from(block_tokens.max(1)))).unwrap_or(u32::MAX).max(1)
+    /// Blocks of `tokens` tokens the keys do not cover (past a
+    /// [`KeyLimit`](crate::request::KeyLimit)), rounded up: any unkeyed token makes a block, so a
+    /// request with a limit is never a full hit.
+    pub fn blocks_for(tokens: u64, block_tokens: u32) -> u32 {
+        u32::try_from(tokens.div_ceil(u64::from(block_tokens.max(1)))).unwrap_or(u32::MAX)
     }
 
     /// Iterate over the key slices of each prompt sequence.
@@ -196,7 +199,12 @@ impl ApproxHashing {
             let (seed, tail_hash) = match p {
                 Prompt::Text(bytes) => {
                     let seed = *text_seed.get_or_insert_with(|| self.seed(&req.model, salt, false));
-                    self.chain_bytes(seed, &bytes[..keyed(bytes.len())], &mut out.keys);
+                    let bytes_keyed = &bytes[..keyed(bytes.len())];
+                    if i == 0 && !req.media_keys.is_empty() {
+                        self.chain_bytes_with_media(seed, bytes_keyed, &req.media_keys, &mut out.keys);
+                    } else {
+                        self.chain_bytes(seed, bytes_keyed, &mut out.keys);
+                    }
                     let n = out.keys.len() - start;
                     (seed, xxh3_64(&bytes[n * self.block_bytes()..]))
                 }
@@ -226,7 +234,8 @@ impl ApproxHashing {
                 }
                 None => 0,
             };
-            out.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(req, extra, self.block_tokens, self.bytes_per_token);
+            let unkeyed = req.unkeyed_tokens(self.bytes_per_token).saturating_add(extra);
+            out.unkeyed_blocks = RequestKeys::blocks_for(unkeyed, self.block_tokens);
         }
     }
 
@@ -237,6 +246,24 @@ impl ApproxHashing {
         out.reserve(bytes.len() / bs);
         for block in bytes.chunks_exact(bs) {
             parent = mix(parent, rapidhash_v3(block));
+            out.push(parent);
+        }
+    }
+
+    /// [`ApproxHashing::chain_bytes`] with the identities of media messages: each is mixed into
+    /// the hash of the block holding its byte offset (`media` in rendering order), so keys from
+    /// that block on are shared only by renderings whose media are the same.
+    fn chain_bytes_with_media(&self, seed: u64, bytes: &[u8], media: &[MediaKey], out: &mut Vec<BlockKey>) {
+        let bs = self.block_bytes();
+        let mut parent = seed;
+        let mut media = media.iter().peekable();
+        out.reserve(bytes.len() / bs);
+        for (b, block) in bytes.chunks_exact(bs).enumerate() {
+            let mut h = rapidhash_v3(block);
+            while let Some(m) = media.next_if(|m| m.at < (b + 1) * bs) {
+                h = mix(h, m.key);
+            }
+            parent = mix(parent, h);
             out.push(parent);
         }
     }
@@ -333,7 +360,10 @@ impl DualKeyHashing {
             }
         }
         // Token ids are tokens: no byte estimate is involved.
-        out.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(req, extra, self.block_tokens, 1);
+        if req.key_limit.is_some() {
+            out.unkeyed_blocks =
+                RequestKeys::blocks_for(req.unkeyed_tokens(1).saturating_add(extra), self.block_tokens);
+        }
         true
     }
 }
@@ -583,6 +613,26 @@ mod tests {
         r.cache_salt = Some(String::new());
         assert!(d.request_keys(&r, &mut empty));
         assert_eq!(plain, empty);
+    }
+
+    #[test]
+    fn media_identities_change_the_keys_from_their_block_on() {
+        let mut r = RouteRequest::text("m", &"x".repeat(16 * 4));
+        let plain = keys(&r);
+        r.media_keys = vec![crate::request::MediaKey { at: 16 + 3, key: 7 }];
+        let a = keys(&r);
+        assert_eq!(a.keys[0], plain.keys[0], "blocks before the medium are unchanged");
+        assert!(a.keys[1..].iter().zip(&plain.keys[1..]).all(|(x, y)| x != y));
+        r.media_keys = vec![crate::request::MediaKey { at: 16 + 3, key: 8 }];
+        let b = keys(&r);
+        assert_eq!(b.keys[0], a.keys[0]);
+        assert!(b.keys[1..].iter().zip(&a.keys[1..]).all(|(x, y)| x != y), "another medium, other keys");
+        // At a block boundary the medium belongs to the block it starts.
+        r.media_keys = vec![crate::request::MediaKey { at: 32, key: 7 }];
+        let c = keys(&r);
+        assert_eq!(c.keys[..2], plain.keys[..2]);
+        assert_ne!(c.keys[2], plain.keys[2]);
+        assert_eq!(c.unkeyed_blocks, 0, "keyed media leave nothing unkeyed");
     }
 
     #[test]

@@ -7,23 +7,33 @@
 //! that grows by appending messages therefore grows its rendering by appending bytes, which is
 //! what prefix matching needs.
 //!
-//! # Parts the router cannot key
+//! # Media parts
 //!
 //! Text content parts (`text`, `input_text`, `output_text`, `refusal`, `thinking`, the types
 //! vLLM reads as text) are keyed like string content. Any other part (`image_url`,
-//! `input_audio`, `video_url`, `file`, `prompt_embeds`, …) enters the engine's block hashes
-//! through data the router does not have (vLLM hashes the decoded media, or the part's `uuid`,
-//! into the blocks that cover its placeholder tokens, and every later block chains on them), so
-//! a request's keys must end before it. Where it ends is recorded in [`RouteRequest::key_limit`]:
-//! at the start of the *content* of the first message that holds such a part, not at the part
-//! itself, because vLLM puts a message's media placeholders in front of its text by default (and
-//! at the part's place with `--interleave-mm-strings`); the prefix before that message's content
-//! is the same in both cases. Every key scheme honours the limit (approximate keys over this
-//! rendering, tokenizer keys over the rendered chat template, see `tokenize`), and the blocks
-//! past it still count in the prefix-hit denominator: each such part is estimated at
-//! [`MEDIA_PART_TOKENS`] tokens, so two chats that differ only in an image share exactly the
-//! prefix before it and are never a full hit. A completions body with `prompt_embeds` (vLLM) gets
-//! a limit too: the embeddings are extra sequences the router cannot key.
+//! `input_audio`, `video_url`, `file`, `prompt_embeds`, …) is *media*: vLLM turns it into
+//! placeholder tokens and hashes the media's identity (the decoded bytes, or the part's `uuid`,
+//! with the request's `mm_processor_kwargs` and `media_io_kwargs`) into the blocks that cover
+//! them, and every later block chains on those. vLLM puts a message's media placeholders in front
+//! of its text by default (at the part's place with `--interleave-mm-strings`), so the router
+//! treats a message holding media as a whole, from the start of its content:
+//!
+//! - **approximate keys**: a media message whose every media part carries a stable identity (a
+//!   `uuid`, or inline data: a `data:` URL, `input_audio`) is keyed, its identity (a hash of all
+//!   its parts and the request's media kwargs) mixed into the block where its content starts
+//!   ([`RouteRequest::media_keys`]), so two messages share keys from there on only when they
+//!   are identical. The first media message with a part that has no stable identity (an
+//!   `http(s)` URL may serve other bytes each time) ends the keys at the start of its content
+//!   ([`RouteRequest::key_limit`]).
+//! - **tokenizer keys** end at the start of the content of the first media message of any kind
+//!   ([`ChatInput::media`]): how many placeholder tokens a medium becomes is the model
+//!   processor's business.
+//!
+//! Whatever is past a limit still counts in the prefix-hit denominator, each media part there at
+//! [`MEDIA_PART_TOKENS`] tokens, so two chats that differ only in an image share exactly the prefix
+//! before it and are never a full hit. A completions body with `prompt_embeds` (vLLM) gets a limit
+//! too: the embeddings are extra sequences the router cannot key.
+
 use std::fmt;
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
@@ -175,6 +185,8 @@ pub struct ChatInput {
     pub add_generation_prompt: bool,
     /// `continue_final_message` (vLLM; default false).
     pub continue_final_message: bool,
+    /// Where the media parts begin, if the conversation has any.
+    pub media: Option<ChatMedia>,
 }
 
 /// Tokens a content part the router cannot key (an image, an audio clip, a video, embeddings,
@@ -183,8 +195,8 @@ pub struct ChatInput {
 /// image, 256 per Gemma 3 image, hundreds to thousands for Qwen2-VL).
 pub const MEDIA_PART_TOKENS: u32 = 256;
 
-/// Where a request's block keys must end: before the first part the router cannot key exactly
-/// (see the module docs).
+/// Where a request's approximate block keys must end: before the first part the router cannot
+/// key (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct KeyLimit {
@@ -193,12 +205,34 @@ pub struct KeyLimit {
     pub prompt: usize,
     /// Bytes (text) or token ids of that sequence that can be keyed.
     pub keyed_len: usize,
-    /// Chat requests: the message whose content holds the first unkeyable part. Keys from the
-    /// chat template end where that message's content starts.
+    /// Chat requests: the message whose content holds the first part without a stable identity.
     pub message: Option<usize>,
-    /// Unkeyable parts (or `prompt_embeds` sequences) from the limit on, each counted as
+    /// Media parts (or `prompt_embeds` sequences) from the limit on, each counted as
     /// [`MEDIA_PART_TOKENS`] tokens.
     pub media_parts: u32,
+}
+
+/// The identity of a chat message holding media that all carry a stable identity, mixed into
+/// the approximate key of the block holding byte `at` of the rendering (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MediaKey {
+    /// Byte offset of the message's content in the rendering (`prompts[0]`).
+    pub at: usize,
+    /// Hash of the message's content parts and the request's media kwargs.
+    pub key: u64,
+}
+
+/// Where a chat request's media begin: tokenizer keys end there (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChatMedia {
+    /// The first message holding a media part.
+    pub message: usize,
+    /// Byte offset of its content in the rendering (`prompts[0]`).
+    pub rendered_at: usize,
+    /// Media parts from that message on.
+    pub parts: u32,
 }
 
 impl KeyLimit {
@@ -239,9 +273,14 @@ pub struct RouteRequest {
     pub prompts: Vec<Prompt>,
     /// Chat requests: the template inputs (for exact tokenization).
     pub chat: Option<ChatInput>,
-    /// Where the block keys must end (a content part or sequence the router cannot key), if
-    /// anywhere.
+    /// Where the approximate block keys must end (a content part or sequence the router cannot
+    /// key), if anywhere.
     pub key_limit: Option<KeyLimit>,
+    /// Media messages the approximate keys cover, in rendering order (see the module docs).
+    pub media_keys: Vec<MediaKey>,
+    /// Media parts (and `prompt_embeds` sequences) in the request, each counted as
+    /// [`MEDIA_PART_TOKENS`] input tokens.
+    pub media_parts: u32,
 }
 
 impl RouteRequest {
@@ -262,6 +301,8 @@ impl RouteRequest {
             prompts: vec![Prompt::Text(prompt.as_bytes().to_vec())],
             chat: None,
             key_limit: None,
+            media_keys: Vec::new(),
+            media_parts: 0,
         }
     }
 
@@ -269,7 +310,7 @@ impl RouteRequest {
     /// router cannot key.
     pub fn input_tokens(&self, bytes_per_token: u32) -> u64 {
         self.prompts.iter().map(|p| p.tokens(bytes_per_token)).sum::<u64>()
-            + self.key_limit.map_or(0, |l| l.media_tokens())
+            + u64::from(self.media_parts) * u64::from(MEDIA_PART_TOKENS)
     }
 
     /// Input tokens past [`RouteRequest::key_limit`] (estimated; 0 without a limit): the rest of
@@ -292,6 +333,20 @@ impl RouteRequest {
             })
             .sum();
         rest + l.media_tokens()
+    }
+
+    /// Input tokens past the start of the first media message (estimated), where keys from the
+    /// chat template end; for other requests [`RouteRequest::unkeyed_tokens`].
+    pub fn unkeyed_tokens_past_media(&self, bytes_per_token: u32) -> u64 {
+        let Some(m) = self.chat.as_ref().and_then(|c| c.media) else { return self.unkeyed_tokens(bytes_per_token) };
+        let rest = match self.prompts.first() {
+            Some(Prompt::Text(b)) => {
+                (b.len().saturating_sub(m.rendered_at) as u64).div_ceil(u64::from(bytes_per_token.max(1)))
+            }
+            Some(Prompt::Tokens(t)) => t.len().saturating_sub(m.rendered_at) as u64,
+            None => 0,
+        };
+        rest + u64::from(m.parts) * u64::from(MEDIA_PART_TOKENS)
     }
 
     /// The output-token budget: `max_tokens` if given, else the API default (16 for completions,
@@ -343,7 +398,7 @@ impl RouteRequest {
             Some(_) => return Err(RequestError::field("model", "must not be empty")),
             None => return Err(RequestError::field("model", "missing")),
         };
-        let mut key_limit = None;
+        let (mut key_limit, mut media_keys, mut media_parts) = (None, Vec::new(), 0);
         let (prompts, chat) = match api {
             Api::Completions => match raw.prompt {
                 Some(p) => {
@@ -352,6 +407,7 @@ impl RouteRequest {
                     if embeds > 0 {
                         key_limit =
                             Some(KeyLimit { prompt: p.0.len(), keyed_len: 0, message: None, media_parts: embeds });
+                        media_parts = embeds;
                     }
                     (p.0, None)
                 }
@@ -360,9 +416,10 @@ impl RouteRequest {
             Api::ChatCompletions => match raw.messages {
                 Some(msgs) if msgs.is_empty() => return Err(RequestError::field("messages", "must not be empty")),
                 Some(msgs) => {
-                    let (rendered, cut) = render_chat(&msgs, raw.tools.as_deref());
-                    key_limit = cut;
-                    let prompt = Prompt::Text(rendered);
+                    let kwargs = [raw.mm_processor_kwargs.as_deref(), raw.media_io_kwargs.as_deref()];
+                    let r = render_chat(&msgs, raw.tools.as_deref(), kwargs);
+                    (key_limit, media_keys, media_parts) = (r.limit, r.media_keys, r.media_parts);
+                    let prompt = Prompt::Text(r.bytes);
                     let chat = ChatInput {
                         messages: msgs.into_iter().map(|ObjectOnly(m)| m.into_message()).collect(),
                         tools: raw.tools.as_deref().map(|t| RawJson(t.get().into())),
@@ -374,6 +431,7 @@ impl RouteRequest {
                             .collect(),
                         add_generation_prompt: raw.add_generation_prompt.unwrap_or(true),
                         continue_final_message: raw.continue_final_message.unwrap_or(false),
+                        media: r.first_media,
                     };
                     (vec![prompt], Some(chat))
                 }
@@ -397,6 +455,8 @@ impl RouteRequest {
             prompts,
             chat,
             key_limit,
+            media_keys,
+            media_parts,
         })
     }
 }
@@ -493,6 +553,8 @@ struct RawBody {
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
     prompt_embeds: Option<PromptEmbeds>,
+    mm_processor_kwargs: Option<Box<serde_json::value::RawValue>>,
+    media_io_kwargs: Option<Box<serde_json::value::RawValue>>,
 }
 
 /// vLLM's `prompt_embeds`: one base64 tensor or a list of them (only their number matters).
@@ -858,11 +920,54 @@ fn part_text(p: &serde_json::Value) -> Option<&str> {
     p.get(field).and_then(|t| t.as_str())
 }
 
-/// The rendering, and where its keys must end when a part cannot be keyed.
+/// Whether a media part carries a stable identity: a `uuid` (vLLM's media identifier) or its
+/// data inline (same bytes, same media, same placeholder tokens).
+fn stable_identity(p: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    if p.get("uuid").and_then(Value::as_str).is_some_and(|u| !u.is_empty()) {
+        return true;
+    }
+    let url = |field: &str| p.get(field).and_then(|v| v.get("url").and_then(Value::as_str).or(v.as_str()));
+    match p.get("type").and_then(Value::as_str) {
+        Some(t @ ("image_url" | "audio_url" | "video_url")) => url(t).is_some_and(|u| u.starts_with("data:")),
+        Some("input_image") => url("image_url").is_some_and(|u| u.starts_with("data:")),
+        Some("input_audio") => {
+            p.get("input_audio").and_then(|a| a.get("data")).and_then(Value::as_str).is_some_and(|d| !d.is_empty())
+        }
+        _ => false,
+    }
+}
+
+/// The identity of a media message: its parts and the request's media kwargs.
+fn media_key(parts: &[serde_json::Value], kwargs: [Option<&serde_json::value::RawValue>; 2]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for p in parts {
+        h.update(p.to_string().as_bytes());
+        h.update(&[0x1e]);
+    }
+    for k in kwargs {
+        h.update(&[0x1f]);
+        if let Some(k) = k {
+            h.update(k.get().as_bytes());
+        }
+    }
+    h.digest()
+}
+
+/// A chat rendering and what it says about media.
+struct Rendered {
+    bytes: Vec<u8>,
+    limit: Option<KeyLimit>,
+    media_keys: Vec<MediaKey>,
+    first_media: Option<ChatMedia>,
+    media_parts: u32,
+}
+
 fn render_chat(
     msgs: &[ObjectOnly<RawMessage>],
     tools: Option<&serde_json::value::RawValue>,
-) -> (Vec<u8>, Option<KeyLimit>) {
+    media_kwargs: [Option<&serde_json::value::RawValue>; 2],
+) -> Rendered {
     let mut out = Vec::with_capacity(
         msgs.iter()
             .map(|ObjectOnly(m)| {
@@ -875,7 +980,7 @@ fn render_chat(
             })
             .sum(),
     );
-    let mut limit: Option<KeyLimit> = None;
+    let (mut limit, mut media_keys, mut first_media, mut media_parts) = (None::<KeyLimit>, Vec::new(), None, 0u32);
     if let Some(t) = tools {
         out.extend_from_slice(b"\x01tools\x02");
         out.extend_from_slice(t.get().as_bytes());
@@ -894,6 +999,7 @@ fn render_chat(
             RawContent::Text(t) => out.extend_from_slice(t.as_bytes()),
             RawContent::Parts(parts) => {
                 let content_start = out.len();
+                let (mut media, mut all_stable) = (0u32, true);
                 for (j, p) in parts.iter().enumerate() {
                     if j > 0 {
                         out.push(b'\n');
@@ -901,15 +1007,30 @@ fn render_chat(
                     match part_text(p) {
                         Some(text) => out.extend_from_slice(text.as_bytes()),
                         None => {
-                            // Not keyed, so not rendered: a marker keeps the length honest.
+                            // Media are never rendered: a marker keeps the length honest.
                             out.push(0x1e);
-                            let l = limit.get_or_insert(KeyLimit {
+                            media = media.saturating_add(1);
+                            all_stable &= stable_identity(p);
+                        }
+                    }
+                }
+                if media > 0 {
+                    media_parts = media_parts.saturating_add(media);
+                    let first =
+                        first_media.get_or_insert(ChatMedia { message: i, rendered_at: content_start, parts: 0 });
+                    first.parts = first.parts.saturating_add(media);
+                    match &mut limit {
+                        Some(l) => l.media_parts = l.media_parts.saturating_add(media),
+                        None if all_stable => {
+                            media_keys.push(MediaKey { at: content_start, key: media_key(parts, media_kwargs) });
+                        }
+                        None => {
+                            limit = Some(KeyLimit {
                                 prompt: 0,
                                 keyed_len: content_start,
                                 message: Some(i),
-                                media_parts: 0,
+                                media_parts: media,
                             });
-                            l.media_parts = l.media_parts.saturating_add(1);
                         }
                     }
                 }
@@ -925,7 +1046,7 @@ fn render_chat(
         }
         out.push(0x03);
     }
-    (out, limit)
+    Rendered { bytes: out, limit, media_keys, first_media, media_parts }
 }
 
 #[cfg(test)]
@@ -1154,6 +1275,56 @@ mod tests {
             let e = parse(r#"{"model":"m","prompt":"x"}"#, &[(h, v)]).unwrap_err();
             assert!(matches!(&e, RequestError::Header { header, value, .. } if header == h && value == v), "{e:?}");
         }
+    }
+
+    #[test]
+    fn media_with_a_stable_identity_are_keyed_by_it() {
+        let chat = |user: &str, extra: &str| {
+            parse(
+                &format!(r#"{{"model":"m","messages":[{{"role":"system","content":"S"}},{{"role":"user","content":{user}}},{{"role":"assistant","content":"A"}}]{extra}}}"#),
+                &[],
+            )
+            .unwrap()
+        };
+        let img = |url: &str, uuid: &str| {
+            let uuid = if uuid.is_empty() { String::new() } else { format!(r#","uuid":"{uuid}""#) };
+            format!(r#"[{{"type":"text","text":"q"}},{{"type":"image_url","image_url":{{"url":"{url}"}}{uuid}}}]"#)
+        };
+        let head = "\u{1}system\u{2}S\u{3}\u{1}user\u{2}".len();
+        let a = chat(&img("data:image/png;base64,AAAA", ""), "");
+        assert_eq!(a.key_limit, None, "inline data is its own identity");
+        assert_eq!(a.media_keys.len(), 1);
+        assert_eq!(a.media_keys[0].at, head);
+        assert_eq!(a.media_parts, 1);
+        assert_eq!(a.chat.as_ref().unwrap().media, Some(ChatMedia { message: 1, rendered_at: head, parts: 1 }));
+        assert_eq!(a.input_tokens(4), (a.prompts[0].tokens(4)) + u64::from(MEDIA_PART_TOKENS));
+        // Same bytes, same key; other bytes, other key; the rendering is the same either way.
+        let same = chat(&img("data:image/png;base64,AAAA", ""), "");
+        let other = chat(&img("data:image/png;base64,BBBB", ""), "");
+        assert_eq!(same.media_keys, a.media_keys);
+        assert_ne!(other.media_keys[0].key, a.media_keys[0].key);
+        assert_eq!(other.prompts, a.prompts);
+        // The request's media kwargs are part of the identity (vLLM hashes them with the media).
+        let kw = chat(&img("data:image/png;base64,AAAA", ""), r#","mm_processor_kwargs":{"max_pixels":1000}"#);
+        assert_ne!(kw.media_keys[0].key, a.media_keys[0].key);
+        let io = chat(&img("data:image/png;base64,AAAA", ""), r#","media_io_kwargs":{"video":{"num_frames":8}}"#);
+        assert_ne!(io.media_keys[0].key, a.media_keys[0].key);
+        // A uuid is vLLM's identifier for the media, whatever the URL.
+        let u = chat(&img("https://example.invalid/a.png", "img-1"), "");
+        assert_eq!((u.key_limit, u.media_keys.len()), (None, 1));
+        // input_audio carries its data.
+        let audio = chat(r#"[{"type":"input_audio","input_audio":{"data":"UklGRg==","format":"wav"}}]"#, "");
+        assert_eq!((audio.key_limit, audio.media_keys.len()), (None, 1));
+        // One part without an identity makes the whole message unkeyable, and every later one.
+        let mixed = chat(
+            r#"[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"image_url","image_url":{"url":"https://x/y.png"}}]"#,
+            "",
+        );
+        assert_eq!(mixed.key_limit, Some(KeyLimit { prompt: 0, keyed_len: head, message: Some(1), media_parts: 2 }));
+        assert!(mixed.media_keys.is_empty());
+        assert_eq!(mixed.media_parts, 2);
+        let empty_uuid = chat(&img("https://example.invalid/a.png", ""), "");
+        assert!(empty_uuid.key_limit.is_some());
     }
 
     #[test]

@@ -821,11 +821,9 @@ impl Router {
                 active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
             // Token-id sequences are keyed in full; what the request cannot key (prompt_embeds)
             // still counts in the hit denominator.
-            bufs.precise.unkeyed_blocks = RequestKeys::unkeyed_blocks_of(
-                req,
-                0,
+            bufs.precise.unkeyed_blocks = RequestKeys::blocks_for(
+                req.unkeyed_tokens(active.policy.config().index.bytes_per_token),
                 active.precise_keys.block_tokens(),
-                active.policy.config().index.bytes_per_token,
             );
             if active.reads_approx() || !bufs.has_precise {
                 active.hashing.request_keys(req, &mut bufs.approx);
@@ -864,11 +862,18 @@ impl Router {
                 let keyed: u64 = seqs.iter().map(|s| s.len() as u64).sum();
                 let bpt = active.policy.config().index.bytes_per_token;
                 let bt = u64::from(active.precise_keys.block_tokens().max(1));
-                // Past the last full block of the cut sequence, plus the boundary token dropped.
-                let extra = req.key_limit.and_then(|l| seqs.get(l.prompt)).map_or(0, |s| s.len() as u64 % bt + 1);
-                bufs.precise.unkeyed_blocks =
-                    RequestKeys::unkeyed_blocks_of(req, extra, active.precise_keys.block_tokens(), bpt);
-                let unkeyed = if req.key_limit.is_some() { req.unkeyed_tokens(bpt) + extra } else { 0 };
+                // Past the media (or key limit): the estimate, the ids after the last full block
+                // of the cut sequence and the boundary token dropped there.
+                let cut = match (req.chat.as_ref().and_then(|c| c.media), req.key_limit) {
+                    (Some(_), _) => Some(0),
+                    (None, Some(l)) => Some(l.prompt),
+                    (None, None) => None,
+                };
+                let unkeyed = cut.map_or(0, |c| {
+                    let extra = seqs.get(c).map_or(0, |s| s.len() as u64 % bt + 1);
+                    req.unkeyed_tokens_past_media(bpt) + extra
+                });
+                bufs.precise.unkeyed_blocks = RequestKeys::blocks_for(unkeyed, active.precise_keys.block_tokens());
                 bufs.exact_input_tokens = Some(keyed + unkeyed);
             }
             Err(_) => {

@@ -1251,10 +1251,11 @@ impl Tokenizer {
     }
 
     /// The token ids the router may key for a parsed request, one sequence per prompt: those of
-    /// [`Tokenizer::request_token_ids`] up to the request's
-    /// [`KeyLimit`](crate::request::KeyLimit) (all of them without one).
+    /// [`Tokenizer::request_token_ids`] up to the first media message of a chat
+    /// ([`ChatInput::media`](crate::request::ChatInput::media)) or the request's
+    /// [`KeyLimit`](crate::request::KeyLimit) (all of them without either).
     ///
-    /// A chat request is rendered with the content of the limit's message replaced by a sentinel
+    /// A chat request is rendered with the content of its first media message replaced by a sentinel
     /// (every other message, the tools and the options as they are, so the template takes the
     /// same branches), the text is cut where the sentinel starts (where vLLM puts the message's
     /// first media placeholder or, with interleaving, something before it), and that prefix is
@@ -1264,8 +1265,7 @@ impl Tokenizer {
     /// limit; sequences after it yield no ids.
     pub fn keyable_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
         use crate::request::Prompt;
-        let Some(limit) = req.key_limit else { return self.request_token_ids(req) };
-        if let (Some(chat), Some(at)) = (&req.chat, limit.message) {
+        if let Some((chat, at)) = req.chat.as_ref().and_then(|c| c.media.map(|m| (c, m.message))) {
             let mut messages = chat.messages.clone();
             let Some(m) = messages.get_mut(at) else { return Ok(vec![Vec::new()]) };
             m.content = Some(KEY_LIMIT_SENTINEL.to_owned());
@@ -1275,6 +1275,7 @@ impl Tokenizer {
             ids.pop();
             return Ok(vec![ids]);
         }
+        let Some(limit) = req.key_limit else { return self.request_token_ids(req) };
         req.prompts
             .iter()
             .enumerate()

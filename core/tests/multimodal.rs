@@ -163,3 +163,73 @@ fn prompt_embeds_are_never_a_full_hit() {
     assert!((d.prefix_hit - 64.0 / 80.0).abs() < 1e-12, "{}", d.prefix_hit);
     assert_ne!(d.mode, Some(Mode::DecodeDirect));
 }
+
+fn data_image(b64: &str) -> Value {
+    json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{b64}")}})
+}
+
+/// A conversation whose first user turn holds an inline image, `turns` exchanges long.
+fn data_chat(b64: &str, turns: usize) -> String {
+    let mut m = vec![
+        json!({"role": "system", "content": system()}),
+        json!({"role": "user", "content": [{"type": "text", "text": "What is in this picture? ".repeat(20)}, data_image(b64)]}),
+    ];
+    for t in 0..turns {
+        m.push(json!({"role": "assistant", "content": format!("Answer {t}: a cat on a mat. ").repeat(12)}));
+        m.push(json!({"role": "user", "content": format!("Follow-up {t}: and behind it? ").repeat(12)}));
+    }
+    body(Value::Array(m))
+}
+
+/// Inline image data is its own identity: the same image resent with a growing conversation
+/// keeps hitting past it; another image hits only what precedes the message holding it.
+#[test]
+fn inline_images_are_keyed_by_their_data() {
+    let r = router();
+    let turn1 = data_chat("iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB", 0);
+    let d = r.route_http(turn1.as_bytes(), [("x", "y")], 0).unwrap();
+    r.complete(&d.request_id).unwrap();
+    let k1 = keys(&turn1);
+    assert_eq!(k1.unkeyed_blocks, 0);
+
+    let turn2 = data_chat("iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB", 1);
+    let k2 = keys(&turn2);
+    assert_eq!(k2.keys[..k1.keys.len()], k1.keys[..], "the conversation grows by appending");
+    let d = r.route_http(turn2.as_bytes(), [("x", "y")], 1).unwrap();
+    assert_eq!(d.score(A).unwrap().matched_blocks as usize, k1.keys.len(), "past the image");
+    r.complete(&d.request_id).unwrap();
+    let again = r.route_http(turn2.as_bytes(), [("x", "y")], 2).unwrap();
+    assert_eq!((again.prefix_hit, again.mode), (1.0, Some(Mode::DecodeDirect)));
+    r.complete(&again.request_id).unwrap();
+
+    // Another image: only the blocks that end before the user message's content starts.
+    let other = data_chat("R0lGODlhAQABAIAAAAUEBAAAACwAAAAA", 1);
+    let d = r.route_http(other.as_bytes(), [("x", "y")], 3).unwrap();
+    let before = (system().len() + "\u{1}system\u{2}\u{3}\u{1}user\u{2}".len()) / (64 * 4);
+    assert_eq!(d.score(A).unwrap().matched_blocks as usize, before);
+    assert!(d.prefix_hit < 0.9);
+    assert_ne!(d.mode, Some(Mode::DecodeDirect));
+}
+
+/// A part's `uuid` is vLLM's identifier for its media: the same uuid (and part) is the same
+/// medium even behind an http URL; without one, an http URL is not keyed.
+#[test]
+fn a_uuid_identifies_the_media() {
+    let chat = |part: Value| {
+        body(json!([
+            {"role": "system", "content": system()},
+            {"role": "user", "content": [part]},
+            {"role": "assistant", "content": "A long answer about the picture. ".repeat(20)},
+        ]))
+    };
+    let with_uuid =
+        chat(json!({"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}, "uuid": "sha256:abc"}));
+    let r = router();
+    let d = r.route_http(with_uuid.as_bytes(), [("x", "y")], 0).unwrap();
+    r.complete(&d.request_id).unwrap();
+    let d = r.route_http(with_uuid.as_bytes(), [("x", "y")], 1).unwrap();
+    assert_eq!(d.prefix_hit, 1.0);
+    let without = chat(json!({"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}));
+    let k = keys(&without);
+    assert!(k.unkeyed_blocks > 0 && k.keys.len() < keys(&with_uuid).keys.len());
+}

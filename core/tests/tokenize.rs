@@ -740,3 +740,21 @@ proptest! {
         prop_assert!(full.starts_with(&keyable), "{:?} vs {:?}", keyable, full);
     }
 }
+
+#[test]
+fn inline_media_still_end_the_tokenizer_keys() {
+    // The approximate keys may go past an image with inline data (its identity is known), the
+    // token ids may not: how many placeholder tokens it becomes is the model processor's call.
+    let body = json!({"model": "m", "messages": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": "A"},
+    ]})
+    .to_string();
+    let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
+    assert_eq!(req.key_limit, None);
+    assert_eq!(req.chat.as_ref().unwrap().media.map(|m| m.message), Some(1));
+    let keyable = cached().keyable_token_ids(&req).unwrap().remove(0);
+    let head = cached().encode_uncached("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n", false).unwrap();
+    assert_eq!(keyable[..], head[..head.len() - 1]);
+}
