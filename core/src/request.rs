@@ -940,11 +940,24 @@ fn stable_identity(p: &serde_json::Value) -> bool {
 
 /// The identity of a media message: its parts and the request's media kwargs.
 fn media_key(parts: &[serde_json::Value], kwargs: [Option<&serde_json::value::RawValue>; 2]) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for p in parts {
-        h.update(p.to_string().as_bytes());
-        h.update(&[0x1e]);
+    /// Feeds serialized JSON to the hash without building the string (inline media are large).
+    struct Feed(xxhash_rust::xxh3::Xxh3);
+    impl std::io::Write for Feed {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
+    let mut feed = Feed(xxhash_rust::xxh3::Xxh3::new());
+    for p in parts {
+        // Writing a parsed JSON value into a sink that never fails cannot fail.
+        let _ = serde_json::to_writer(&mut feed, p);
+        feed.0.update(&[0x1e]);
+    }
+    let mut h = feed.0;
     for k in kwargs {
         h.update(&[0x1f]);
         if let Some(k) = k {
