@@ -697,7 +697,13 @@ fn main() {
         let probe_keys: Vec<RequestKeys> = wl
             .probes
             .iter()
-            .map(|p| RequestKeys { keys: p.keys.clone(), seq_starts: vec![0], anchor: 0, block_tokens: 16 })
+            .map(|p| RequestKeys {
+                keys: p.keys.clone(),
+                seq_starts: vec![0],
+                anchor: 0,
+                block_tokens: 16,
+                unkeyed_blocks: 0,
+            })
             .collect();
         let reference = {
             let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, shape.capacity_per_endpoint);

@@ -17,7 +17,15 @@
 //! `__multi3` call each there.
 //!
 //! so a key identifies the whole prefix up to and including its block, within one model and one
-//! tenant (`cache_salt`): two different salts never share a key. Key 0 is reserved (remapped to 1).
+//! tenant (`cache_salt`): two different salts never share a key, and an empty salt is no salt (as
+//! vLLM hashes it). Key 0 is reserved (remapped to 1).
+//!
+//! Media in a chat (see `request`): the identity of a media message whose media all have one is
+//! mixed into the hash of the block where its content starts (`block_hash ← mix(block_hash,
+//! identity)`), so renderings share keys past it only when their media are the same; keys end at
+//! the request's key limit (the first media without an identity, or `prompt_embeds`), and what
+//! lies past it is counted in [`RequestKeys::unkeyed_blocks`], the prefix-hit denominator's
+//! share that can never match.
 
 #[cfg(not(target_arch = "wasm32"))]
 use rapidhash::v3::rapidhash_v3;
@@ -25,7 +33,7 @@ use rapidhash::v3::rapidhash_v3;
 use wide::rapidhash_v3;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use crate::request::{Prompt, RouteRequest};
+use crate::request::{MediaKey, Prompt, RouteRequest};
 
 /// A 64-bit chained block key.
 pub type BlockKey = u64;
@@ -53,9 +61,24 @@ pub struct RequestKeys {
     pub anchor: u64,
     /// Tokens per block (for converting matched blocks into tokens).
     pub block_tokens: u32,
+    /// Blocks of the prompt past its [`KeyLimit`](crate::request::KeyLimit) (estimated): never
+    /// keyed, never matched, but part of the prefix-hit denominator.
+    pub unkeyed_blocks: u32,
 }
 
 impl RequestKeys {
+    /// The prefix-hit denominator: keyed blocks plus [`RequestKeys::unkeyed_blocks`].
+    pub fn hit_blocks(&self) -> usize {
+        self.keys.len() + self.unkeyed_blocks as usize
+    }
+
+    /// Blocks of `tokens` tokens the keys do not cover (past a
+    /// [`KeyLimit`](crate::request::KeyLimit)), rounded up: any unkeyed token makes a block, so a
+    /// request with a limit is never a full hit.
+    pub fn blocks_for(tokens: u64, block_tokens: u32) -> u32 {
+        u32::try_from(tokens.div_ceil(u64::from(block_tokens.max(1)))).unwrap_or(u32::MAX)
+    }
+
     /// Iterate over the key slices of each prompt sequence.
     pub fn sequences(&self) -> impl Iterator<Item = &[BlockKey]> + '_ {
         let n = self.seq_starts.len();
@@ -130,8 +153,10 @@ impl ApproxHashing {
         self.block_tokens as usize * self.bytes_per_token as usize
     }
 
-    /// The chain seed for a model and tenant.
+    /// The chain seed for a model and tenant. An empty `cache_salt` is no salt (vLLM hashes it
+    /// as none), so `Some("")` and `None` give the same seed.
     pub fn seed(&self, model: &str, cache_salt: Option<&str>, token_ids: bool) -> u64 {
+        let cache_salt = cache_salt.filter(|s| !s.is_empty());
         let mut buf = Vec::with_capacity(model.len() + cache_salt.map_or(0, str::len) + 3);
         buf.extend_from_slice(model.as_bytes());
         buf.push(0xff);
@@ -146,38 +171,72 @@ impl ApproxHashing {
         xxh3_64_with_seed(&buf, self.hash_seed)
     }
 
-    /// Compute the keys of a request into `out` (cleared first; its buffers are reused).
+    /// Compute the keys of a request into `out` (cleared first; its buffers are reused). Keys end
+    /// at the request's [`KeyLimit`](crate::request::KeyLimit): the sequence it falls in is keyed
+    /// up to it, later sequences not at all, and what is past it counts in
+    /// [`RequestKeys::unkeyed_blocks`].
     pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) {
         out.keys.clear();
         out.seq_starts.clear();
         out.block_tokens = self.block_tokens;
+        out.unkeyed_blocks = 0;
+        let limit = req.key_limit;
         let salt = req.cache_salt.as_deref();
         let mut anchor = self.hash_seed ^ 0x9e37_79b9_7f4a_7c15;
         let (mut text_seed, mut token_seed) = (None, None);
         let mut scratch: Vec<u8> = Vec::new();
-        for p in &req.prompts {
+        for (i, p) in req.prompts.iter().enumerate() {
             let start = out.keys.len();
             out.seq_starts.push(u32::try_from(start).unwrap_or(u32::MAX));
+            // How much of this sequence may be keyed.
+            let keyed = |len: usize| match limit {
+                Some(l) if i == l.prompt => l.keyed_len.min(len),
+                Some(l) if i > l.prompt => 0,
+                _ => len,
+            };
             // The anchor covers the whole prompt without hashing it twice: the last full-block
             // key (which chains over every full block) plus the partial tail.
             let (seed, tail_hash) = match p {
                 Prompt::Text(bytes) => {
                     let seed = *text_seed.get_or_insert_with(|| self.seed(&req.model, salt, false));
-                    self.chain_bytes(seed, bytes, &mut out.keys);
-                    let full = bytes.len() - bytes.len() % self.block_bytes();
-                    (seed, xxh3_64(&bytes[full..]))
+                    let bytes_keyed = &bytes[..keyed(bytes.len())];
+                    if i == 0 && !req.media_keys.is_empty() {
+                        self.chain_bytes_with_media(seed, bytes_keyed, &req.media_keys, &mut out.keys);
+                    } else {
+                        self.chain_bytes(seed, bytes_keyed, &mut out.keys);
+                    }
+                    let n = out.keys.len() - start;
+                    (seed, xxh3_64(&bytes[n * self.block_bytes()..]))
                 }
                 Prompt::Tokens(ids) => {
                     let seed = *token_seed.get_or_insert_with(|| self.seed(&req.model, salt, true));
-                    self.chain_tokens(seed, ids, &mut out.keys, &mut scratch);
-                    let full = ids.len() - ids.len() % self.block_tokens as usize;
-                    (seed, xxh3_64(token_bytes(&ids[full..], &mut scratch)))
+                    self.chain_tokens(seed, &ids[..keyed(ids.len())], &mut out.keys, &mut scratch);
+                    let n = out.keys.len() - start;
+                    (seed, xxh3_64(token_bytes(&ids[n * self.block_tokens as usize..], &mut scratch)))
                 }
             };
             let last = out.keys[start..].last().copied().unwrap_or(seed);
             anchor = mix(anchor ^ last, tail_hash);
         }
         out.anchor = anchor;
+        if let Some(l) = limit {
+            // Tokens before the limit in the sequence it falls in that no full keyed block covers.
+            let extra = match req.prompts.get(l.prompt) {
+                Some(p) => {
+                    let lo = out.seq_starts.get(l.prompt).map_or(0, |&s| s as usize);
+                    let hi = out.seq_starts.get(l.prompt + 1).map_or(out.keys.len(), |&h| h as usize);
+                    let keyed_tokens = (hi - lo) as u64 * u64::from(self.block_tokens);
+                    let before = match p {
+                        Prompt::Text(b) => (l.keyed_len.min(b.len()) as u64) / u64::from(self.bytes_per_token.max(1)),
+                        Prompt::Tokens(t) => l.keyed_len.min(t.len()) as u64,
+                    };
+                    before.saturating_sub(keyed_tokens)
+                }
+                None => 0,
+            };
+            let unkeyed = req.unkeyed_tokens(self.bytes_per_token).saturating_add(extra);
+            out.unkeyed_blocks = RequestKeys::blocks_for(unkeyed, self.block_tokens);
+        }
     }
 
     /// Append the chained keys of the full blocks of `bytes`.
@@ -187,6 +246,24 @@ impl ApproxHashing {
         out.reserve(bytes.len() / bs);
         for block in bytes.chunks_exact(bs) {
             parent = mix(parent, rapidhash_v3(block));
+            out.push(parent);
+        }
+    }
+
+    /// [`ApproxHashing::chain_bytes`] with the identities of media messages: each is mixed into
+    /// the hash of the block holding its byte offset (`media` in rendering order), so keys from
+    /// that block on are shared only by renderings whose media are the same.
+    fn chain_bytes_with_media(&self, seed: u64, bytes: &[u8], media: &[MediaKey], out: &mut Vec<BlockKey>) {
+        let bs = self.block_bytes();
+        let mut parent = seed;
+        let mut media = media.iter().peekable();
+        out.reserve(bytes.len() / bs);
+        for (b, block) in bytes.chunks_exact(bs).enumerate() {
+            let mut h = rapidhash_v3(block);
+            while let Some(m) = media.next_if(|m| m.at < (b + 1) * bs) {
+                h = mix(h, m.key);
+            }
+            parent = mix(parent, h);
             out.push(parent);
         }
     }
@@ -221,11 +298,13 @@ pub struct DualKeyHashing {
 }
 
 impl DualKeyHashing {
-    /// The root of every chain for a LoRA adapter (or none) and a cache_salt (or none).
+    /// The root of every chain for a LoRA adapter (or none) and a cache_salt (or none). An empty
+    /// `cache_salt` is no salt, as vLLM hashes it (`Some("")` and `None` give the same root), for
+    /// request keys and for event chains alike.
     pub fn root(lora: Option<&str>, cache_salt: Option<&str>) -> u64 {
         let mut buf = Vec::with_capacity(32);
         buf.extend_from_slice(b"kvroute-dual");
-        for part in [lora, cache_salt] {
+        for part in [lora, cache_salt.filter(|s| !s.is_empty())] {
             match part {
                 Some(p) => {
                     buf.push(1);
@@ -250,23 +329,40 @@ impl DualKeyHashing {
     }
 
     /// The keys of a request into `out` (cleared first). Returns `false`, leaving `out` empty,
-    /// when a prompt sequence is text (precise keys need token ids).
+    /// when a prompt sequence is text (precise keys need token ids). Keys end at the request's
+    /// [`KeyLimit`](crate::request::KeyLimit), as in [`ApproxHashing::request_keys`].
     pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) -> bool {
         out.keys.clear();
         out.seq_starts.clear();
         out.block_tokens = self.block_tokens;
         out.anchor = 0;
+        out.unkeyed_blocks = 0;
         let root = Self::root(req.lora_adapter.as_deref(), req.cache_salt.as_deref());
         let mut scratch = Vec::with_capacity(self.block_tokens as usize * 4);
-        for p in &req.prompts {
+        let mut extra = 0u64;
+        for (i, p) in req.prompts.iter().enumerate() {
             let Prompt::Tokens(ids) = p else {
                 out.keys.clear();
                 out.seq_starts.clear();
                 return false;
             };
             out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
+            let ids = match req.key_limit {
+                Some(l) if i == l.prompt => &ids[..l.keyed_len.min(ids.len())],
+                Some(l) if i > l.prompt => &[],
+                _ => &ids[..],
+            };
+            let before = out.keys.len();
             let last = self.chain(root, ids, &mut out.keys, &mut scratch);
             out.anchor ^= last;
+            if req.key_limit.is_some_and(|l| l.prompt == i) {
+                extra = (ids.len() - (out.keys.len() - before) * self.block_tokens as usize) as u64;
+            }
+        }
+        // Token ids are tokens: no byte estimate is involved.
+        if req.key_limit.is_some() {
+            out.unkeyed_blocks =
+                RequestKeys::blocks_for(req.unkeyed_tokens(1).saturating_add(extra), self.block_tokens);
         }
         true
     }
@@ -461,9 +557,9 @@ mod tests {
             assert_ne!(*k, salted_a.keys[i]);
             assert_ne!(salted_a.keys[i], salted_b.keys[i]);
         }
-        // Empty salt is not the same as no salt.
+        // An empty salt is no salt (vLLM: `if request.cache_salt` adds no extra key for "").
         salted.cache_salt = Some(String::new());
-        assert_ne!(keys(&salted).keys[0], base.keys[0]);
+        assert_eq!(keys(&salted), base);
     }
 
     #[test]
@@ -502,6 +598,41 @@ mod tests {
         assert!(!d.request_keys(&r, &mut k));
         assert!(k.keys.is_empty());
         assert_ne!(DualKeyHashing::root(Some("a"), None), DualKeyHashing::root(None, Some("a")));
+    }
+
+    #[test]
+    fn empty_salt_is_no_salt_in_dual_keys() {
+        assert_eq!(DualKeyHashing::root(None, Some("")), DualKeyHashing::root(None, None));
+        assert_eq!(DualKeyHashing::root(Some("l"), Some("")), DualKeyHashing::root(Some("l"), None));
+        assert_ne!(DualKeyHashing::root(None, Some(" ")), DualKeyHashing::root(None, None));
+        let d = DualKeyHashing { block_tokens: 4 };
+        let mut r = RouteRequest::text("m", "");
+        r.prompts = vec![Prompt::Tokens((0..8).collect())];
+        let (mut plain, mut empty) = (RequestKeys::default(), RequestKeys::default());
+        assert!(d.request_keys(&r, &mut plain));
+        r.cache_salt = Some(String::new());
+        assert!(d.request_keys(&r, &mut empty));
+        assert_eq!(plain, empty);
+    }
+
+    #[test]
+    fn media_identities_change_the_keys_from_their_block_on() {
+        let mut r = RouteRequest::text("m", &"x".repeat(16 * 4));
+        let plain = keys(&r);
+        r.media_keys = vec![crate::request::MediaKey { at: 16 + 3, key: 7 }];
+        let a = keys(&r);
+        assert_eq!(a.keys[0], plain.keys[0], "blocks before the medium are unchanged");
+        assert!(a.keys[1..].iter().zip(&plain.keys[1..]).all(|(x, y)| x != y));
+        r.media_keys = vec![crate::request::MediaKey { at: 16 + 3, key: 8 }];
+        let b = keys(&r);
+        assert_eq!(b.keys[0], a.keys[0]);
+        assert!(b.keys[1..].iter().zip(&a.keys[1..]).all(|(x, y)| x != y), "another medium, other keys");
+        // At a block boundary the medium belongs to the block it starts.
+        r.media_keys = vec![crate::request::MediaKey { at: 32, key: 7 }];
+        let c = keys(&r);
+        assert_eq!(c.keys[..2], plain.keys[..2]);
+        assert_ne!(c.keys[2], plain.keys[2]);
+        assert_eq!(c.unkeyed_blocks, 0, "keyed media leave nothing unkeyed");
     }
 
     #[test]

@@ -3,8 +3,36 @@
 //!
 //! Chat requests are rendered (without a tokenizer) into a canonical byte string: optional `tools`
 //! (canonical JSON), then every message as `\x01 role [\x1f name] \x02 content [\x1f tool data] \x03`.
-//! A conversation that grows by appending messages therefore grows its rendering by appending
-//! bytes, which is what prefix matching needs.
+//! Content parts are joined with `\n`, as vLLM joins them for a chat template. A conversation
+//! that grows by appending messages therefore grows its rendering by appending bytes, which is
+//! what prefix matching needs.
+//!
+//! # Media parts
+//!
+//! Text content parts (`text`, `input_text`, `output_text`, `refusal`, `thinking`, the types
+//! vLLM reads as text) are keyed like string content. Any other part (`image_url`,
+//! `input_audio`, `video_url`, `file`, `prompt_embeds`, …) is *media*: vLLM turns it into
+//! placeholder tokens and hashes the media's identity (the decoded bytes, or the part's `uuid`,
+//! with the request's `mm_processor_kwargs` and `media_io_kwargs`) into the blocks that cover
+//! them, and every later block chains on those. vLLM puts a message's media placeholders in front
+//! of its text by default (at the part's place with `--interleave-mm-strings`), so the router
+//! treats a message holding media as a whole, from the start of its content:
+//!
+//! - **approximate keys**: a media message whose every media part carries a stable identity (a
+//!   `uuid`, or inline data: a `data:` URL, `input_audio`) is keyed, its identity (a hash of all
+//!   its parts and the request's media kwargs) mixed into the block where its content starts
+//!   ([`RouteRequest::media_keys`]), so two messages share keys from there on only when they
+//!   are identical. The first media message with a part that has no stable identity (an
+//!   `http(s)` URL may serve other bytes each time) ends the keys at the start of its content
+//!   ([`RouteRequest::key_limit`]).
+//! - **tokenizer keys** end at the start of the content of the first media message of any kind
+//!   ([`ChatInput::media`]): how many placeholder tokens a medium becomes is the model
+//!   processor's business.
+//!
+//! Whatever is past a limit still counts in the prefix-hit denominator, each media part there at
+//! [`MEDIA_PART_TOKENS`] tokens, so two chats that differ only in an image share exactly the prefix
+//! before it and are never a full hit. A completions body with `prompt_embeds` (vLLM) gets a limit
+//! too: the embeddings are extra sequences the router cannot key.
 
 use std::fmt;
 
@@ -157,6 +185,61 @@ pub struct ChatInput {
     pub add_generation_prompt: bool,
     /// `continue_final_message` (vLLM; default false).
     pub continue_final_message: bool,
+    /// Where the media parts begin, if the conversation has any.
+    pub media: Option<ChatMedia>,
+}
+
+/// Tokens a content part the router cannot key (an image, an audio clip, a video, embeddings,
+/// …) is assumed to take in the engine's prompt, for the input length and the prefix-hit
+/// denominator. The real count depends on the model and the media (vLLM: 576 per LLaVA-1.5
+/// image, 256 per Gemma 3 image, hundreds to thousands for Qwen2-VL).
+pub const MEDIA_PART_TOKENS: u32 = 256;
+
+/// Where a request's approximate block keys must end: before the first part the router cannot
+/// key (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyLimit {
+    /// The prompt sequence the keys end in (`prompts.len()` when every sequence is keyed in full
+    /// and only further, unkeyable sequences follow, e.g. `prompt_embeds`).
+    pub prompt: usize,
+    /// Bytes (text) or token ids of that sequence that can be keyed.
+    pub keyed_len: usize,
+    /// Chat requests: the message whose content holds the first part without a stable identity.
+    pub message: Option<usize>,
+    /// Media parts (or `prompt_embeds` sequences) from the limit on, each counted as
+    /// [`MEDIA_PART_TOKENS`] tokens.
+    pub media_parts: u32,
+}
+
+/// The identity of a chat message holding media that all carry a stable identity, mixed into
+/// the approximate key of the block holding byte `at` of the rendering (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MediaKey {
+    /// Byte offset of the message's content in the rendering (`prompts[0]`).
+    pub at: usize,
+    /// Hash of the message's content parts and the request's media kwargs.
+    pub key: u64,
+}
+
+/// Where a chat request's media begin: tokenizer keys end there (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChatMedia {
+    /// The first message holding a media part.
+    pub message: usize,
+    /// Byte offset of its content in the rendering (`prompts[0]`).
+    pub rendered_at: usize,
+    /// Media parts from that message on.
+    pub parts: u32,
+}
+
+impl KeyLimit {
+    /// Tokens of the media parts (estimated).
+    pub fn media_tokens(&self) -> u64 {
+        u64::from(self.media_parts) * u64::from(MEDIA_PART_TOKENS)
+    }
 }
 
 /// A parsed inference request: everything routing needs, nothing else.
@@ -168,7 +251,8 @@ pub struct RouteRequest {
     pub model: String,
     /// LoRA adapter the model name maps to (config `request.lora_adapters`).
     pub lora_adapter: Option<String>,
-    /// Tenant isolation salt (`cache_salt` in the body).
+    /// Tenant isolation salt (`cache_salt` in the body). An empty `cache_salt` parses as `None`:
+    /// vLLM hashes it as no salt.
     pub cache_salt: Option<String>,
     /// `max_completion_tokens` or `max_tokens`.
     pub max_tokens: Option<u32>,
@@ -189,6 +273,14 @@ pub struct RouteRequest {
     pub prompts: Vec<Prompt>,
     /// Chat requests: the template inputs (for exact tokenization).
     pub chat: Option<ChatInput>,
+    /// Where the approximate block keys must end (a content part or sequence the router cannot
+    /// key), if anywhere.
+    pub key_limit: Option<KeyLimit>,
+    /// Media messages the approximate keys cover, in rendering order (see the module docs).
+    pub media_keys: Vec<MediaKey>,
+    /// Media parts (and `prompt_embeds` sequences) in the request, each counted as
+    /// [`MEDIA_PART_TOKENS`] input tokens.
+    pub media_parts: u32,
 }
 
 impl RouteRequest {
@@ -208,12 +300,53 @@ impl RouteRequest {
             hint: JudgmentHint::default(),
             prompts: vec![Prompt::Text(prompt.as_bytes().to_vec())],
             chat: None,
+            key_limit: None,
+            media_keys: Vec::new(),
+            media_parts: 0,
         }
     }
 
-    /// Total input tokens over all prompt sequences.
+    /// Total input tokens over all prompt sequences, plus [`MEDIA_PART_TOKENS`] for each part the
+    /// router cannot key.
     pub fn input_tokens(&self, bytes_per_token: u32) -> u64 {
-        self.prompts.iter().map(|p| p.tokens(bytes_per_token)).sum()
+        self.prompts.iter().map(|p| p.tokens(bytes_per_token)).sum::<u64>()
+            + u64::from(self.media_parts) * u64::from(MEDIA_PART_TOKENS)
+    }
+
+    /// Input tokens past [`RouteRequest::key_limit`] (estimated; 0 without a limit): the rest of
+    /// the sequence it ends in, every later sequence and the media parts.
+    pub fn unkeyed_tokens(&self, bytes_per_token: u32) -> u64 {
+        let Some(l) = self.key_limit else { return 0 };
+        let rest: u64 = self
+            .prompts
+            .iter()
+            .enumerate()
+            .skip(l.prompt)
+            .map(|(i, p)| {
+                let skip = if i == l.prompt { l.keyed_len } else { 0 };
+                match p {
+                    Prompt::Text(b) => {
+                        (b.len().saturating_sub(skip) as u64).div_ceil(u64::from(bytes_per_token.max(1)))
+                    }
+                    Prompt::Tokens(t) => t.len().saturating_sub(skip) as u64,
+                }
+            })
+            .sum();
+        rest + l.media_tokens()
+    }
+
+    /// Input tokens past the start of the first media message (estimated), where keys from the
+    /// chat template end; for other requests [`RouteRequest::unkeyed_tokens`].
+    pub fn unkeyed_tokens_past_media(&self, bytes_per_token: u32) -> u64 {
+        let Some(m) = self.chat.as_ref().and_then(|c| c.media) else { return self.unkeyed_tokens(bytes_per_token) };
+        let rest = match self.prompts.first() {
+            Some(Prompt::Text(b)) => {
+                (b.len().saturating_sub(m.rendered_at) as u64).div_ceil(u64::from(bytes_per_token.max(1)))
+            }
+            Some(Prompt::Tokens(t)) => t.len().saturating_sub(m.rendered_at) as u64,
+            None => 0,
+        };
+        rest + u64::from(m.parts) * u64::from(MEDIA_PART_TOKENS)
     }
 
     /// The output-token budget: `max_tokens` if given, else the API default (16 for completions,
@@ -265,15 +398,28 @@ impl RouteRequest {
             Some(_) => return Err(RequestError::field("model", "must not be empty")),
             None => return Err(RequestError::field("model", "missing")),
         };
+        let (mut key_limit, mut media_keys, mut media_parts) = (None, Vec::new(), 0);
         let (prompts, chat) = match api {
             Api::Completions => match raw.prompt {
-                Some(p) => (p.0, None),
+                Some(p) => {
+                    // vLLM runs `prompt_embeds` as further sequences of embeddings, no token ids.
+                    let embeds = raw.prompt_embeds.as_ref().map_or(0, PromptEmbeds::count);
+                    if embeds > 0 {
+                        key_limit =
+                            Some(KeyLimit { prompt: p.0.len(), keyed_len: 0, message: None, media_parts: embeds });
+                        media_parts = embeds;
+                    }
+                    (p.0, None)
+                }
                 None => return Err(RequestError::field("prompt", "missing (required for /v1/completions)")),
             },
             Api::ChatCompletions => match raw.messages {
                 Some(msgs) if msgs.is_empty() => return Err(RequestError::field("messages", "must not be empty")),
                 Some(msgs) => {
-                    let prompt = Prompt::Text(render_chat(&msgs, raw.tools.as_deref()));
+                    let kwargs = [raw.mm_processor_kwargs.as_deref(), raw.media_io_kwargs.as_deref()];
+                    let r = render_chat(&msgs, raw.tools.as_deref(), kwargs);
+                    (key_limit, media_keys, media_parts) = (r.limit, r.media_keys, r.media_parts);
+                    let prompt = Prompt::Text(r.bytes);
                     let chat = ChatInput {
                         messages: msgs.into_iter().map(|ObjectOnly(m)| m.into_message()).collect(),
                         tools: raw.tools.as_deref().map(|t| RawJson(t.get().into())),
@@ -285,6 +431,7 @@ impl RouteRequest {
                             .collect(),
                         add_generation_prompt: raw.add_generation_prompt.unwrap_or(true),
                         continue_final_message: raw.continue_final_message.unwrap_or(false),
+                        media: r.first_media,
                     };
                     (vec![prompt], Some(chat))
                 }
@@ -296,7 +443,8 @@ impl RouteRequest {
             api,
             lora_adapter: cfg.lora_adapters.get(&model).cloned(),
             model,
-            cache_salt: raw.cache_salt,
+            // vLLM hashes an empty salt as no salt; every surface sees `None` for it.
+            cache_salt: raw.cache_salt.filter(|s| !s.is_empty()),
             max_tokens,
             stream: raw.stream.unwrap_or(false),
             request_id: h.request_id,
@@ -306,6 +454,9 @@ impl RouteRequest {
             hint: h.hint,
             prompts,
             chat,
+            key_limit,
+            media_keys,
+            media_parts,
         })
     }
 }
@@ -401,6 +552,44 @@ struct RawBody {
     chat_template_kwargs: Option<std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>>,
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
+    prompt_embeds: Option<PromptEmbeds>,
+    mm_processor_kwargs: Option<Box<serde_json::value::RawValue>>,
+    media_io_kwargs: Option<Box<serde_json::value::RawValue>>,
+}
+
+/// vLLM's `prompt_embeds`: one base64 tensor or a list of them (only their number matters).
+struct PromptEmbeds(u32);
+
+impl PromptEmbeds {
+    fn count(&self) -> u32 {
+        self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for PromptEmbeds {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PromptEmbeds;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a base64 string or a list of them")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<PromptEmbeds, E> {
+                Ok(PromptEmbeds(0))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<PromptEmbeds, E> {
+                Ok(PromptEmbeds(1))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptEmbeds, A::Error> {
+                let mut n = 0u32;
+                while seq.next_element::<de::IgnoredAny>()?.is_some() {
+                    n = n.saturating_add(1);
+                }
+                Ok(PromptEmbeds(n))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Deserializes `T` only from a JSON object: serde's derived structs also accept arrays of
@@ -439,14 +628,9 @@ impl RawMessage {
         let content = match self.content {
             RawContent::None => None,
             RawContent::Text(t) => Some(t),
-            RawContent::Parts(parts) => Some(
-                parts
-                    .iter()
-                    .filter(|p| p.get("type").and_then(|t| t.as_str()) == Some("text"))
-                    .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            ),
+            // The text parts joined as vLLM joins them; media parts cannot be rendered here (see
+            // `RouteRequest::key_limit`, which ends the keys before this message's content).
+            RawContent::Parts(parts) => Some(parts.iter().filter_map(part_text).collect::<Vec<_>>().join("\n")),
         };
         ChatMessage {
             role: self.role,
@@ -725,7 +909,78 @@ impl<'de> Deserialize<'de> for RawContent {
     }
 }
 
-fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value::RawValue>) -> Vec<u8> {
+/// The text of a content part vLLM reads as text, `None` for any other part.
+fn part_text(p: &serde_json::Value) -> Option<&str> {
+    let field = match p.get("type").and_then(|t| t.as_str())? {
+        "text" | "input_text" | "output_text" => "text",
+        "refusal" => "refusal",
+        "thinking" => "thinking",
+        _ => return None,
+    };
+    p.get(field).and_then(|t| t.as_str())
+}
+
+/// Whether a media part carries a stable identity: a `uuid` (vLLM's media identifier) or its
+/// data inline (same bytes, same media, same placeholder tokens).
+fn stable_identity(p: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    if p.get("uuid").and_then(Value::as_str).is_some_and(|u| !u.is_empty()) {
+        return true;
+    }
+    let url = |field: &str| p.get(field).and_then(|v| v.get("url").and_then(Value::as_str).or(v.as_str()));
+    match p.get("type").and_then(Value::as_str) {
+        Some(t @ ("image_url" | "audio_url" | "video_url")) => url(t).is_some_and(|u| u.starts_with("data:")),
+        Some("input_image") => url("image_url").is_some_and(|u| u.starts_with("data:")),
+        Some("input_audio") => {
+            p.get("input_audio").and_then(|a| a.get("data")).and_then(Value::as_str).is_some_and(|d| !d.is_empty())
+        }
+        _ => false,
+    }
+}
+
+/// The identity of a media message: its parts and the request's media kwargs.
+fn media_key(parts: &[serde_json::Value], kwargs: [Option<&serde_json::value::RawValue>; 2]) -> u64 {
+    /// Feeds serialized JSON to the hash without building the string (inline media are large).
+    struct Feed(xxhash_rust::xxh3::Xxh3);
+    impl std::io::Write for Feed {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut feed = Feed(xxhash_rust::xxh3::Xxh3::new());
+    for p in parts {
+        // Writing a parsed JSON value into a sink that never fails cannot fail.
+        let _ = serde_json::to_writer(&mut feed, p);
+        feed.0.update(&[0x1e]);
+    }
+    let mut h = feed.0;
+    for k in kwargs {
+        h.update(&[0x1f]);
+        if let Some(k) = k {
+            h.update(k.get().as_bytes());
+        }
+    }
+    h.digest()
+}
+
+/// A chat rendering and what it says about media.
+struct Rendered {
+    bytes: Vec<u8>,
+    limit: Option<KeyLimit>,
+    media_keys: Vec<MediaKey>,
+    first_media: Option<ChatMedia>,
+    media_parts: u32,
+}
+
+fn render_chat(
+    msgs: &[ObjectOnly<RawMessage>],
+    tools: Option<&serde_json::value::RawValue>,
+    media_kwargs: [Option<&serde_json::value::RawValue>; 2],
+) -> Rendered {
     let mut out = Vec::with_capacity(
         msgs.iter()
             .map(|ObjectOnly(m)| {
@@ -738,12 +993,13 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value
             })
             .sum(),
     );
+    let (mut limit, mut media_keys, mut first_media, mut media_parts) = (None::<KeyLimit>, Vec::new(), None, 0u32);
     if let Some(t) = tools {
         out.extend_from_slice(b"\x01tools\x02");
         out.extend_from_slice(t.get().as_bytes());
         out.push(0x03);
     }
-    for ObjectOnly(m) in msgs {
+    for (i, ObjectOnly(m)) in msgs.iter().enumerate() {
         out.push(0x01);
         out.extend_from_slice(m.role.as_bytes());
         if let Some(n) = &m.name {
@@ -755,15 +1011,39 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value
             RawContent::None => {}
             RawContent::Text(t) => out.extend_from_slice(t.as_bytes()),
             RawContent::Parts(parts) => {
-                for p in parts {
-                    match p.get("text").and_then(|t| t.as_str()) {
-                        Some(text) if p.get("type").and_then(|t| t.as_str()) == Some("text") => {
-                            out.extend_from_slice(text.as_bytes());
+                let content_start = out.len();
+                let (mut media, mut all_stable) = (0u32, true);
+                for (j, p) in parts.iter().enumerate() {
+                    if j > 0 {
+                        out.push(b'\n');
+                    }
+                    match part_text(p) {
+                        Some(text) => out.extend_from_slice(text.as_bytes()),
+                        None => {
+                            // Media are never rendered: a marker keeps the length honest.
+                            out.push(0x1e);
+                            media = media.saturating_add(1);
+                            all_stable &= stable_identity(p);
                         }
-                        _ => {
-                            out.push(0x1e);
-                            out.extend_from_slice(p.to_string().as_bytes());
-                            out.push(0x1e);
+                    }
+                }
+                if media > 0 {
+                    media_parts = media_parts.saturating_add(media);
+                    let first =
+                        first_media.get_or_insert(ChatMedia { message: i, rendered_at: content_start, parts: 0 });
+                    first.parts = first.parts.saturating_add(media);
+                    match &mut limit {
+                        Some(l) => l.media_parts = l.media_parts.saturating_add(media),
+                        None if all_stable => {
+                            media_keys.push(MediaKey { at: content_start, key: media_key(parts, media_kwargs) });
+                        }
+                        None => {
+                            limit = Some(KeyLimit {
+                                prompt: 0,
+                                keyed_len: content_start,
+                                message: Some(i),
+                                media_parts: media,
+                            });
                         }
                     }
                 }
@@ -779,7 +1059,7 @@ fn render_chat(msgs: &[ObjectOnly<RawMessage>], tools: Option<&serde_json::value
         }
         out.push(0x03);
     }
-    out
+    Rendered { bytes: out, limit, media_keys, first_media, media_parts }
 }
 
 #[cfg(test)]
@@ -847,9 +1127,62 @@ mod tests {
         assert_eq!(a.max_tokens, Some(7), "max_completion_tokens wins");
         let Prompt::Text(bytes) = &a.prompts[0] else { panic!() };
         let s = String::from_utf8_lossy(bytes);
-        assert!(s.starts_with("\u{1}system\u{2}be brief\u{3}\u{1}user\u{2}hi\u{1e}"), "{s:?}");
-        assert!(s.contains("http://x/y.png"));
+        assert_eq!(s, "\u{1}system\u{2}be brief\u{3}\u{1}user\u{2}hi\n\u{1e}\u{3}");
+        let head = "\u{1}system\u{2}be brief\u{3}\u{1}user\u{2}".len();
+        assert_eq!(a.key_limit, Some(KeyLimit { prompt: 0, keyed_len: head, message: Some(1), media_parts: 1 }));
         assert_eq!(a.effective_max_tokens(), Some(7));
+        assert_eq!(a.input_tokens(4), (s.len() as u64).div_ceil(4) + u64::from(MEDIA_PART_TOKENS));
+        assert_eq!(a.unkeyed_tokens(4), (s.len() as u64 - head as u64).div_ceil(4) + u64::from(MEDIA_PART_TOKENS));
+        assert_eq!(a.chat.unwrap().messages[1].content.as_deref(), Some("hi"));
+    }
+
+    #[test]
+    fn parts_the_router_cannot_key_limit_the_keys() {
+        let body = |user: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"S"}},{{"role":"user","content":{user}}},{{"role":"user","content":[{{"type":"input_audio","input_audio":{{"data":"AAAA","format":"wav"}}}}]}}]}}"#
+            )
+        };
+        let a = parse(
+            &body(r#"[{"type":"image_url","image_url":{"url":"http://x/a.png"}},{"type":"text","text":"q"}]"#),
+            &[],
+        )
+        .unwrap();
+        let b = parse(
+            &body(r#"[{"type":"image_url","image_url":{"url":"http://x/b.png"}},{"type":"text","text":"q"}]"#),
+            &[],
+        )
+        .unwrap();
+        // Only the marker is rendered, never the part itself, and the limit is the user content.
+        assert_eq!(a.prompts, b.prompts);
+        let l = a.key_limit.unwrap();
+        assert_eq!((l.prompt, l.message, l.media_parts), (0, Some(1), 2));
+        let Prompt::Text(bytes) = &a.prompts[0] else { panic!() };
+        assert!(bytes[..l.keyed_len].ends_with(b"\x01user\x02"));
+        assert!(!bytes.windows(5).any(|w| w == b"a.png"));
+        // Text-typed parts vLLM reads as text are keyed like string content, joined with "\n".
+        let t = parse(
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+            &[],
+        )
+        .unwrap();
+        let s = parse(r#"{"model":"m","messages":[{"role":"user","content":"a\nb"}]}"#, &[]).unwrap();
+        assert_eq!((t.prompts.clone(), t.key_limit), (s.prompts, None));
+        assert_eq!(t.chat.unwrap().messages[0].content.as_deref(), Some("a\nb"));
+        // Two text parts are not one: "a","b" renders as "a\nb", not "ab".
+        let ab = parse(r#"{"model":"m","messages":[{"role":"user","content":"ab"}]}"#, &[]).unwrap();
+        assert_ne!(t.prompts, ab.prompts);
+        // prompt_embeds (vLLM completions): the embeddings are sequences the router cannot key.
+        let e = parse(r#"{"model":"m","prompt":[1,2,3],"prompt_embeds":["AAAA","BBBB"]}"#, &[]).unwrap();
+        assert_eq!(e.key_limit, Some(KeyLimit { prompt: 1, keyed_len: 0, message: None, media_parts: 2 }));
+        assert_eq!(e.input_tokens(4), 3 + 2 * u64::from(MEDIA_PART_TOKENS));
+        assert_eq!(e.unkeyed_tokens(4), 2 * u64::from(MEDIA_PART_TOKENS));
+        let e = parse(r#"{"model":"m","prompt":"x","prompt_embeds":null}"#, &[]).unwrap();
+        assert_eq!(e.key_limit, None);
+        let e = parse(r#"{"model":"m","prompt":"x","prompt_embeds":"AAAA"}"#, &[]).unwrap();
+        assert_eq!(e.key_limit.map(|l| l.media_parts), Some(1));
+        let e = parse(r#"{"model":"m","prompt":"x","prompt_embeds":5}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "prompt_embeds"), "{e:?}");
     }
 
     #[test]
@@ -930,6 +1263,10 @@ mod tests {
         assert_eq!(r.request_id.as_deref(), Some("req-1"));
         assert_eq!(r.cache_salt.as_deref(), Some("t1"));
         assert_eq!(r.lora_adapter, None);
+        let r = parse(r#"{"model":"m","prompt":"x","cache_salt":""}"#, &[]).unwrap();
+        assert_eq!(r.cache_salt, None, "an empty salt is no salt");
+        let r = parse(r#"{"model":"m","prompt":"x","cache_salt":null}"#, &[]).unwrap();
+        assert_eq!(r.cache_salt, None);
         let mut cfg = RequestConfig::default();
         cfg.lora_adapters.insert("sql-lora".into(), "sql-adapter".into());
         let r = RouteRequest::parse(br#"{"model":"sql-lora","prompt":"x"}"#, [("a", "b")], &cfg).unwrap();
@@ -945,10 +1282,71 @@ mod tests {
             ("x-kvroute-bypass-probability", "1.5"),
             ("x-kvroute-bypass-probability", "NaN"),
             (":path", "/v1/embeddings"),
+            // vLLM's tokens-in API carries media features next to token ids: not routed.
+            (":path", "/inference/v1/generate"),
         ] {
             let e = parse(r#"{"model":"m","prompt":"x"}"#, &[(h, v)]).unwrap_err();
             assert!(matches!(&e, RequestError::Header { header, value, .. } if header == h && value == v), "{e:?}");
         }
+    }
+
+    #[test]
+    fn media_with_a_stable_identity_are_keyed_by_it() {
+        let chat = |user: &str, extra: &str| {
+            parse(
+                &format!(r#"{{"model":"m","messages":[{{"role":"system","content":"S"}},{{"role":"user","content":{user}}},{{"role":"assistant","content":"A"}}]{extra}}}"#),
+                &[],
+            )
+            .unwrap()
+        };
+        let img = |url: &str, uuid: &str| {
+            let uuid = if uuid.is_empty() { String::new() } else { format!(r#","uuid":"{uuid}""#) };
+            format!(r#"[{{"type":"text","text":"q"}},{{"type":"image_url","image_url":{{"url":"{url}"}}{uuid}}}]"#)
+        };
+        let head = "\u{1}system\u{2}S\u{3}\u{1}user\u{2}".len();
+        let a = chat(&img("data:image/png;base64,AAAA", ""), "");
+        assert_eq!(a.key_limit, None, "inline data is its own identity");
+        assert_eq!(a.media_keys.len(), 1);
+        assert_eq!(a.media_keys[0].at, head);
+        assert_eq!(a.media_parts, 1);
+        assert_eq!(a.chat.as_ref().unwrap().media, Some(ChatMedia { message: 1, rendered_at: head, parts: 1 }));
+        assert_eq!(a.input_tokens(4), (a.prompts[0].tokens(4)) + u64::from(MEDIA_PART_TOKENS));
+        // Same bytes, same key; other bytes, other key; the rendering is the same either way.
+        let same = chat(&img("data:image/png;base64,AAAA", ""), "");
+        let other = chat(&img("data:image/png;base64,BBBB", ""), "");
+        assert_eq!(same.media_keys, a.media_keys);
+        assert_ne!(other.media_keys[0].key, a.media_keys[0].key);
+        assert_eq!(other.prompts, a.prompts);
+        // The request's media kwargs are part of the identity (vLLM hashes them with the media).
+        let kw = chat(&img("data:image/png;base64,AAAA", ""), r#","mm_processor_kwargs":{"max_pixels":1000}"#);
+        assert_ne!(kw.media_keys[0].key, a.media_keys[0].key);
+        let io = chat(&img("data:image/png;base64,AAAA", ""), r#","media_io_kwargs":{"video":{"num_frames":8}}"#);
+        assert_ne!(io.media_keys[0].key, a.media_keys[0].key);
+        // A uuid is vLLM's identifier for the media, whatever the URL.
+        let u = chat(&img("https://example.invalid/a.png", "img-1"), "");
+        assert_eq!((u.key_limit, u.media_keys.len()), (None, 1));
+        // input_audio carries its data.
+        let audio = chat(r#"[{"type":"input_audio","input_audio":{"data":"UklGRg==","format":"wav"}}]"#, "");
+        assert_eq!((audio.key_limit, audio.media_keys.len()), (None, 1));
+        // One part without an identity makes the whole message unkeyable, and every later one.
+        let mixed = chat(
+            r#"[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"image_url","image_url":{"url":"https://x/y.png"}}]"#,
+            "",
+        );
+        assert_eq!(mixed.key_limit, Some(KeyLimit { prompt: 0, keyed_len: head, message: Some(1), media_parts: 2 }));
+        assert!(mixed.media_keys.is_empty());
+        assert_eq!(mixed.media_parts, 2);
+        let empty_uuid = chat(&img("https://example.invalid/a.png", ""), "");
+        assert!(empty_uuid.key_limit.is_some());
+    }
+
+    #[test]
+    fn token_ids_with_media_features_are_not_a_completions_body() {
+        // vLLM's `/inference/v1/generate` body (token ids plus multimodal features) has no
+        // `prompt`: it is an error, never a token-id prompt keyed past its media.
+        let e =
+            parse(r#"{"model":"m","token_ids":[1,2,3],"features":{"mm_hashes":{"image":["h"]}}}"#, &[]).unwrap_err();
+        assert!(matches!(&e, RequestError::Field { field, .. } if field == "prompt"), "{e:?}");
     }
 
     #[test]

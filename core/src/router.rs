@@ -819,6 +819,12 @@ impl Router {
             let mut bufs = cell.take();
             bufs.has_precise =
                 active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
+            // Token-id sequences are keyed in full; what the request cannot key (prompt_embeds)
+            // still counts in the hit denominator.
+            bufs.precise.unkeyed_blocks = RequestKeys::blocks_for(
+                req.unkeyed_tokens(active.policy.config().index.bytes_per_token),
+                active.precise_keys.block_tokens(),
+            );
             if active.reads_approx() || !bufs.has_precise {
                 active.hashing.request_keys(req, &mut bufs.approx);
             } else {
@@ -842,7 +848,8 @@ impl Router {
     #[cfg(feature = "tokenizer")]
     fn tokenize_into(&self, active: &ActivePolicy, req: &RouteRequest, bufs: &mut KeyBufs) {
         let Some(tok) = self.tokenizer.load_full() else { return };
-        match tok.request_token_ids(req) {
+        // Only the ids before the request's key limit (a part the router cannot key) are keyed.
+        match tok.keyable_token_ids(req) {
             Ok(seqs) => {
                 let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
                 bufs.has_precise = active.precise_keys.keys_for_tokens(
@@ -852,7 +859,22 @@ impl Router {
                     &mut bufs.precise,
                     &mut bufs.scratch,
                 );
-                bufs.exact_input_tokens = Some(seqs.iter().map(|s| s.len() as u64).sum());
+                let keyed: u64 = seqs.iter().map(|s| s.len() as u64).sum();
+                let bpt = active.policy.config().index.bytes_per_token;
+                let bt = u64::from(active.precise_keys.block_tokens().max(1));
+                // Past the media (or key limit): the estimate, the ids after the last full block
+                // of the cut sequence and the boundary token dropped there.
+                let cut = match (req.chat.as_ref().and_then(|c| c.media), req.key_limit) {
+                    (Some(_), _) => Some(0),
+                    (None, Some(l)) => Some(l.prompt),
+                    (None, None) => None,
+                };
+                let unkeyed = cut.map_or(0, |c| {
+                    let extra = seqs.get(c).map_or(0, |s| s.len() as u64 % bt + 1);
+                    req.unkeyed_tokens_past_media(bpt) + extra
+                });
+                bufs.precise.unkeyed_blocks = RequestKeys::blocks_for(unkeyed, active.precise_keys.block_tokens());
+                bufs.exact_input_tokens = Some(keyed + unkeyed);
             }
             Err(_) => {
                 self.tokenize_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -896,7 +918,8 @@ impl Router {
         let session_ref = session_key.and_then(|k| st.sessions.peek(&k).copied()).filter(|r| st.live_ref(*r));
 
         let per_block = |n: usize| if n == 0 { 0.0 } else { 1.0 / n as f64 };
-        let (approx_per_block, precise_per_block) = (per_block(keys.keys.len()), per_block(bufs.precise.keys.len()));
+        let (approx_per_block, precise_per_block) =
+            (per_block(keys.hit_blocks()), per_block(bufs.precise.hit_blocks()));
         let roster = st.endpoints.roster().clone();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
         let mut slots = std::mem::take(&mut st.slots_buf);

@@ -8,6 +8,16 @@
 //! `add_special_tokens=False`; a completions prompt is tokenized with `add_special_tokens=True`.
 //! [`Tokenizer::encode_chat`] and [`Tokenizer::encode_prompt`] do the same.
 //!
+//! # Multimodal requests
+//!
+//! Images, audio, video and embeddings become placeholder tokens that the model's processor
+//! writes and whose blocks vLLM hashes with the media's own hash, none of which a router has. The
+//! router therefore keys only what comes before them: [`Tokenizer::keyable_token_ids`] renders
+//! the conversation with the content of the first message holding such a part replaced by a
+//! sentinel, cuts the text where the sentinel starts, tokenizes that prefix and drops its last
+//! token (the text after the cut may merge with it). See `request` for why the cut is at the
+//! message's content rather than at the part.
+//!
 //! # The prefix cache
 //!
 //! Hugging Face tokenizers first cut the text at *added tokens* (`<|im_start|>`, `<|im_end|>`, …)
@@ -448,6 +458,22 @@ impl ChatTemplate {
         Ok(out)
     }
 }
+
+/// The options a parsed chat request renders with (vLLM's defaults for what it does not say).
+fn chat_options(chat: &crate::request::ChatInput) -> ChatOptions {
+    ChatOptions {
+        add_generation_prompt: chat.add_generation_prompt && !chat.continue_final_message,
+        tools: chat.tools.clone(),
+        kwargs: chat.chat_template_kwargs.clone(),
+        continue_final_message: chat.continue_final_message,
+        ..ChatOptions::default()
+    }
+}
+
+/// Stands in for the content of the message where a chat request's keys end
+/// ([`Tokenizer::keyable_token_ids`]): control characters no template strips, and no text a
+/// client would send.
+const KEY_LIMIT_SENTINEL: &str = "\u{1}kvroute-key-limit\u{1}";
 
 /// What transformers appends to the final message for `continue_final_message`.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
@@ -1207,23 +1233,70 @@ impl Tokenizer {
     /// The token ids the engine will see for a parsed request, one sequence per prompt: a chat
     /// request through the chat template (with its `tools`, `chat_template_kwargs`,
     /// `add_generation_prompt`, `continue_final_message`), completions text with special tokens
-    /// (as vLLM tokenizes it), token-id prompts as given.
+    /// (as vLLM tokenizes it), token-id prompts as given. Content parts other than text (images,
+    /// audio, …) are left out: their placeholder tokens are the model processor's business, so
+    /// for such a request these are not the engine's ids; key with
+    /// [`Tokenizer::keyable_token_ids`].
     pub fn request_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
         if let Some(chat) = &req.chat {
-            let options = ChatOptions {
-                add_generation_prompt: chat.add_generation_prompt && !chat.continue_final_message,
-                tools: chat.tools.clone(),
-                kwargs: chat.chat_template_kwargs.clone(),
-                continue_final_message: chat.continue_final_message,
-                ..ChatOptions::default()
-            };
-            return Ok(vec![self.encode_chat_with(&chat.messages, &options)?]);
+            return Ok(vec![self.encode_chat_with(&chat.messages, &chat_options(chat))?]);
         }
         req.prompts
             .iter()
             .map(|p| match p {
                 crate::request::Prompt::Tokens(ids) => Ok(ids.clone()),
                 crate::request::Prompt::Text(bytes) => self.encode_prompt_impl(&String::from_utf8_lossy(bytes)),
+            })
+            .collect()
+    }
+
+    /// The token ids the router may key for a parsed request, one sequence per prompt: those of
+    /// [`Tokenizer::request_token_ids`] up to the first media message of a chat
+    /// ([`ChatInput::media`](crate::request::ChatInput::media)) or the request's
+    /// [`KeyLimit`](crate::request::KeyLimit) (all of them without either).
+    ///
+    /// A chat request is rendered with the content of its first media message replaced by a sentinel
+    /// (every other message, the tools and the options as they are, so the template takes the
+    /// same branches), the text is cut where the sentinel starts (where vLLM puts the message's
+    /// first media placeholder or, with interleaving, something before it), and that prefix is
+    /// tokenized. Its last token is dropped: the text after the cut could merge with it (BPE,
+    /// whitespace pre-tokenization), and the tokens before it are fixed. A template that does not
+    /// render the content at all yields no ids. Completions sequences are cut the same way at the
+    /// limit; sequences after it yield no ids.
+    pub fn keyable_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        use crate::request::Prompt;
+        if let Some((chat, at)) = req.chat.as_ref().and_then(|c| c.media.map(|m| (c, m.message))) {
+            let mut messages = chat.messages.clone();
+            let Some(m) = messages.get_mut(at) else { return Ok(vec![Vec::new()]) };
+            m.content = Some(KEY_LIMIT_SENTINEL.to_owned());
+            let text = self.render_chat(&messages, &chat_options(chat))?;
+            let Some(cut) = text.find(KEY_LIMIT_SENTINEL) else { return Ok(vec![Vec::new()]) };
+            let mut ids = self.encode(&text[..cut], false)?;
+            ids.pop();
+            return Ok(vec![ids]);
+        }
+        let Some(limit) = req.key_limit else { return self.request_token_ids(req) };
+        req.prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match (p, i.cmp(&limit.prompt)) {
+                (_, std::cmp::Ordering::Greater) => Ok(Vec::new()),
+                (Prompt::Tokens(ids), std::cmp::Ordering::Equal) => Ok(ids[..limit.keyed_len.min(ids.len())].to_vec()),
+                (Prompt::Tokens(ids), std::cmp::Ordering::Less) => Ok(ids.clone()),
+                (Prompt::Text(bytes), std::cmp::Ordering::Equal) => {
+                    let head = &bytes[..limit.keyed_len.min(bytes.len())];
+                    // A limit inside a UTF-8 sequence: cut before that character.
+                    let head = match std::str::from_utf8(head) {
+                        Ok(s) => s,
+                        Err(e) => std::str::from_utf8(&head[..e.valid_up_to()]).unwrap_or_default(),
+                    };
+                    let mut ids = self.encode_prompt_impl(head)?;
+                    ids.pop();
+                    Ok(ids)
+                }
+                (Prompt::Text(bytes), std::cmp::Ordering::Less) => {
+                    self.encode_prompt_impl(&String::from_utf8_lossy(bytes))
+                }
             })
             .collect()
     }
@@ -1407,6 +1480,27 @@ mod tests {
         ] {
             assert_eq!(py_float_repr(f), want, "{f}");
         }
+    }
+
+    #[test]
+    fn a_limit_inside_a_completions_prompt_cuts_before_its_character() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizer");
+        let tok = Tokenizer::from_dir(dir).unwrap();
+        let text = "Grüße aus Köln, und noch viel mehr Text danach.";
+        let mut req = crate::request::RouteRequest::text("m", text);
+        let at = text.find('ö').unwrap() + 1; // inside the two bytes of 'ö'
+        req.key_limit = Some(crate::request::KeyLimit { prompt: 0, keyed_len: at, message: None, media_parts: 1 });
+        let keyable = tok.keyable_token_ids(&req).unwrap();
+        let full = tok.encode_prompt(text).unwrap();
+        assert_eq!(keyable.len(), 1);
+        assert!(!keyable[0].is_empty() && full.starts_with(&keyable[0]));
+        let head = tok.encode_prompt(&text[..at - 1]).unwrap();
+        assert_eq!(keyable[0].len() + 1, head.len());
+        // A second sequence after the limit yields no ids; one before it all of them.
+        req.prompts.push(crate::request::Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(tok.keyable_token_ids(&req).unwrap()[1], Vec::<u32>::new());
+        req.key_limit = Some(crate::request::KeyLimit { prompt: 1, keyed_len: 2, message: None, media_parts: 0 });
+        assert_eq!(tok.keyable_token_ids(&req).unwrap(), vec![full, vec![1, 2]]);
     }
 
     #[test]

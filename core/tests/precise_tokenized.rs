@@ -102,3 +102,71 @@ fn without_a_tokenizer_text_requests_have_no_precise_keys() {
     assert!(d.score(B).unwrap().matched_blocks > 0);
     assert_eq!(r.stats().counters.tokenize_errors, 0);
 }
+
+/// A chat whose last user turn is `[text, image]`, after a long system prompt.
+fn image_chat(url: &str) -> String {
+    serde_json::json!({"model": "m", "max_tokens": 300, "messages": [
+        {"role": "system", "content": "You are a careful agent. ".repeat(60)},
+        {"role": "user", "content": [
+            {"type": "text", "text": "What does this picture show? ".repeat(8)},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]},
+    ]})
+    .to_string()
+}
+
+fn parse(body: &str) -> RouteRequest {
+    RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap()
+}
+
+#[test]
+fn chats_that_differ_only_in_the_image_share_only_the_prefix_before_it() {
+    let tok = tokenizer();
+    let r = router("precise");
+    r.set_tokenizer(Some(tok.clone()));
+    let first = image_chat("https://example.invalid/cat.png");
+    let d = r.route_http(first.as_bytes(), [("x", "y")], 0).unwrap();
+    let target = d.endpoint.clone().unwrap();
+    r.complete(&d.request_id).unwrap();
+
+    // Within the speculative TTL, the chat with another image: the router's own speculation
+    // on the first chat's blocks must not make it a full hit.
+    let second = image_chat("https://example.invalid/dog.png");
+    let keyable = tok.keyable_token_ids(&parse(&second)).unwrap().remove(0);
+    let keyable_blocks = keyable.len() / 16;
+    assert!(keyable_blocks > 20);
+    let d = r.route_http(second.as_bytes(), [("x", "y")], 10).unwrap();
+    let s = d.score(&target).unwrap();
+    assert!(s.precise);
+    assert_eq!(s.matched_blocks as usize, keyable_blocks, "the system prompt, nothing past the image's message");
+    assert!(d.prefix_hit < 0.9, "{}", d.prefix_hit);
+    assert_ne!(d.mode, Some(kvroute::Mode::DecodeDirect));
+    assert!(d.input_tokens > keyable.len() as u64 + 256);
+    assert_eq!(r.stats().counters.tokenize_errors, 0);
+}
+
+#[test]
+fn an_engine_holding_the_text_prefix_is_hit_up_to_the_image() {
+    let tok = tokenizer();
+    let r = router("precise");
+    r.set_tokenizer(Some(tok.clone()));
+    // The engine ran the text-only conversation; now the same one continues with an image.
+    let text = chat(1);
+    let (ev, blocks) = stored_for(&tok, &text);
+    r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), 0).unwrap();
+    let mut body: serde_json::Value = serde_json::from_str(&text).unwrap();
+    body["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.invalid/x.png"}}]}));
+    let body = body.to_string();
+    let engine = tok.request_token_ids(&parse(&text)).unwrap().remove(0);
+    let keyable = tok.keyable_token_ids(&parse(&body)).unwrap().remove(0);
+    let common = engine.iter().zip(&keyable).take_while(|(a, b)| a == b).count();
+    let want = (common / 16).min(blocks).min(keyable.len() / 16);
+    assert!(want > 20);
+    let d = r.route_http(body.as_bytes(), [("x", "y")], 10).unwrap();
+    assert_eq!(d.endpoint.as_deref(), Some(B));
+    assert_eq!(d.score(B).unwrap().matched_blocks as usize, want, "the text prefix, up to the image");
+    assert!(d.prefix_hit < 1.0);
+}

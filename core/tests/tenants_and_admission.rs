@@ -20,7 +20,7 @@ fn different_cache_salts_never_share_index_keys() {
     let h = ApproxHashing { block_tokens: i.block_tokens, bytes_per_token: i.bytes_per_token, hash_seed: i.hash_seed };
     let prompt = "identical prompt text across tenants ".repeat(300);
     let mut all: Vec<BTreeSet<u64>> = Vec::new();
-    for salt in [None, Some("tenant-a"), Some("tenant-b"), Some("")] {
+    for salt in [None, Some("tenant-a"), Some("tenant-b"), Some(" ")] {
         let mut req = RouteRequest::text("llama", &prompt);
         req.cache_salt = salt.map(str::to_owned);
         let mut keys = RequestKeys::default();
@@ -51,6 +51,75 @@ fn a_tenant_never_hits_another_tenants_cache() {
     assert_eq!(a2.endpoint, a.endpoint);
     let none = router.route_http(body(&prompt, None).as_bytes(), [("k", "v")], 3).unwrap();
     assert!(none.scores.iter().all(|s| s.prefix_hit == 0.0), "unsalted requests share nothing with salted ones");
+}
+
+/// vLLM hashes an empty `cache_salt` as no salt (`if request.cache_salt` in
+/// `vllm/v1/core/kv_cache_utils.py`), so the router must too: in the approximate keys, whether the
+/// request was parsed from HTTP or built directly.
+#[test]
+fn an_empty_cache_salt_is_no_salt_in_approximate_keys() {
+    let policy = Policy::default();
+    let i = &policy.config().index;
+    let h = ApproxHashing { block_tokens: i.block_tokens, bytes_per_token: i.bytes_per_token, hash_seed: i.hash_seed };
+    let prompt = "identical prompt text across tenants ".repeat(300);
+    let mut req = RouteRequest::text("llama", &prompt);
+    let (mut none, mut empty) = (RequestKeys::default(), RequestKeys::default());
+    h.request_keys(&req, &mut none);
+    req.cache_salt = Some(String::new());
+    h.request_keys(&req, &mut empty);
+    assert!(none.keys.len() > 10);
+    assert_eq!(none, empty);
+
+    let router = Router::default();
+    router.upsert_endpoint(EndpointSpec::new("10.0.0.1:8000", Role::Decode)).unwrap();
+    router.upsert_endpoint(EndpointSpec::new("10.0.0.2:8000", Role::Decode)).unwrap();
+    let a = router.route_http(body(&prompt, None).as_bytes(), [("k", "v")], 0).unwrap();
+    router.complete(&a.request_id).unwrap();
+    let b = router.route_http(body(&prompt, Some("")).as_bytes(), [("k", "v")], 1).unwrap();
+    assert_eq!((b.prefix_hit, &b.endpoint), (1.0, &a.endpoint), "\"\" hits the unsalted cache");
+    router.complete(&b.request_id).unwrap();
+    req.cache_salt = Some(String::new());
+    let c = router.route(&req, 2).unwrap();
+    assert_eq!(c.prefix_hit, 1.0, "a directly built request with Some(\"\") too");
+}
+
+/// The same in the dual-key precise index: an engine event chain rooted with an empty salt and a
+/// request without one (or the other way round) are the same chain.
+#[test]
+fn an_empty_cache_salt_is_no_salt_in_dual_keys() {
+    use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
+    let stored = |salt: Option<&str>| {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..8).map(|i| 900 + i).collect(),
+            parent_block_hash: None,
+            token_ids: (0..128).collect(),
+            block_size: 16,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            group_idx: None,
+            cache_salt: salt.map(str::to_owned),
+        })
+    };
+    let ids: Vec<u32> = (0..128).collect();
+    for (event_salt, body_salt) in [(Some(""), None), (None, Some("")), (Some(""), Some(""))] {
+        let router = Router::new(Policy::from_json(r#"{"index":{"mode":"precise"}}"#).unwrap());
+        for id in ["10.0.0.1:8000", "10.0.0.2:8000"] {
+            router.upsert_endpoint(EndpointSpec::new(id, Role::Decode)).unwrap();
+            router.update_metrics(id, MetricsSnapshot { kv_usage: 0.2, ..Default::default() }).unwrap();
+        }
+        let batch = EventBatch { ts: 1.0, events: vec![stored(event_salt)], data_parallel_rank: None };
+        router.apply_batch("10.0.0.2:8000", &batch, Some(0), 0).unwrap();
+        let mut b = serde_json::json!({"model": "llama", "prompt": ids, "max_tokens": 400});
+        if let Some(s) = body_salt {
+            b["cache_salt"] = s.into();
+        }
+        let d = router.route_http(b.to_string().as_bytes(), [("k", "v")], 1).unwrap();
+        let s = d.score("10.0.0.2:8000").unwrap();
+        assert!(s.precise);
+        assert_eq!((s.matched_blocks, d.prefix_hit), (8, 1.0), "event salt {event_salt:?}, body salt {body_salt:?}");
+        assert_eq!(d.endpoint.as_deref(), Some("10.0.0.2:8000"));
+    }
 }
 
 fn saturated_router(waiting: u32, kv: f64, updated_ms: u64) -> Router {

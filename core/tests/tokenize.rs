@@ -615,3 +615,146 @@ fn malformed_inputs_are_typed_errors() {
     let bare = Tokenizer::from_json(&good).unwrap();
     assert_eq!(bare.encode_chat(&[ChatMessage::new("user", "x")], true), Err(TokenizeError::NoChatTemplate));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Key limits: a chat with a part the router cannot key (an image) keys only the ids before it
+// ---------------------------------------------------------------------------------------------
+
+/// A parsed chat whose message `at` is `[text, image]`.
+fn media_chat(messages: &[(&str, &str)], at: usize, add_generation_prompt: bool) -> kvroute::RouteRequest {
+    let msgs: Vec<Value> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, (role, text))| {
+            if i == at {
+                json!({"role": role, "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}]})
+            } else {
+                json!({"role": role, "content": text})
+            }
+        })
+        .collect();
+    let body = json!({"model": "m", "messages": msgs, "add_generation_prompt": add_generation_prompt}).to_string();
+    kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap()
+}
+
+/// The ids the engine could see: the conversation rendered with the media message's content
+/// being `content` (what vLLM writes there: a placeholder first, then the text, or anything else).
+fn engine_ids(req: &kvroute::RouteRequest, content: &str) -> Vec<u32> {
+    let chat = req.chat.as_ref().unwrap();
+    let at = req.key_limit.unwrap().message.unwrap();
+    let mut msgs = chat.messages.clone();
+    msgs[at].content = Some(content.to_owned());
+    let text = cached().render_chat(&msgs, &ChatOptions::new(chat.add_generation_prompt)).unwrap();
+    cached().encode_uncached(&text, false).unwrap()
+}
+
+const CONVERSATIONS: [&[(&str, &str)]; 3] = [
+    &[("system", "You describe pictures. Be exact."), ("user", "What is this?")],
+    &[("system", "S"), ("user", "first question"), ("assistant", "first answer"), ("user", "and this one?")],
+    &[("user", "Compare with the earlier one.")],
+];
+
+#[test]
+fn keyable_ids_end_before_the_media_messages_content() {
+    for (n, conv) in CONVERSATIONS.iter().enumerate() {
+        let at = conv.len() - 1;
+        let req = media_chat(conv, at, true);
+        let keyable = cached().keyable_token_ids(&req).unwrap();
+        assert_eq!(keyable.len(), 1);
+        let keyable = &keyable[0];
+        // Whatever vLLM puts at the start of that content, the keyable ids are a prefix of it.
+        for content in ["<image>\nWhat is this?", "What is this?", "\n\nx", " x", "<|im_start|>", "<think>", ""] {
+            let full = engine_ids(&req, content);
+            assert!(full.starts_with(keyable), "conversation {n}, content {content:?}");
+            assert!(full.len() > keyable.len());
+        }
+        // Exactly one token short of the rendering before the content (the boundary token).
+        let chat = req.chat.as_ref().unwrap();
+        let mut msgs = chat.messages.clone();
+        msgs[at].content = Some("\u{1}".to_owned());
+        let text = cached().render_chat(&msgs, &ChatOptions::new(true)).unwrap();
+        let before = &text[..text.find('\u{1}').unwrap()];
+        assert!(before.ends_with("<|im_start|>user\n"), "{before:?}");
+        assert_eq!(keyable.len() + 1, cached().encode_uncached(before, false).unwrap().len());
+        // The text before the image in the same message is not keyed (vLLM puts the image
+        // placeholder in front of the message's text by default).
+        let old = cached().request_token_ids(&req).unwrap().remove(0);
+        assert!(old.len() > keyable.len() + 3);
+    }
+}
+
+#[test]
+fn without_a_key_limit_keyable_ids_are_the_request_ids() {
+    let body = json!({"model": "m", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]}]}).to_string();
+    let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
+    assert_eq!(req.key_limit, None);
+    assert_eq!(cached().keyable_token_ids(&req).unwrap(), cached().request_token_ids(&req).unwrap());
+    let plain = kvroute::RouteRequest::parse(
+        json!({"model": "m", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "a\nb"}]})
+            .to_string()
+            .as_bytes(),
+        [("a", "b")],
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(cached().request_token_ids(&req).unwrap(), cached().request_token_ids(&plain).unwrap());
+}
+
+#[test]
+fn a_media_message_in_the_middle_keeps_every_message_for_the_template() {
+    // The template looks at the whole conversation (Qwen3-style last-query index); the keys
+    // end at the first media message's content however the conversation goes on.
+    let conv: &[(&str, &str)] = &[("system", "S"), ("user", "look"), ("assistant", "A cat."), ("user", "And now?")];
+    let req = media_chat(conv, 1, true);
+    let keyable = cached().keyable_token_ids(&req).unwrap().remove(0);
+    for content in ["<image>\nlook", "look", "x"] {
+        assert!(engine_ids(&req, content).starts_with(&keyable), "{content:?}");
+    }
+    let system_only = cached().encode_uncached("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n", false).unwrap();
+    assert_eq!(keyable[..], system_only[..system_only.len() - 1]);
+}
+
+#[test]
+fn completions_with_prompt_embeds_key_their_text_prompts() {
+    let body = json!({"model": "m", "prompt": "Hello there, general.", "prompt_embeds": "AAAA"}).to_string();
+    let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
+    assert!(req.key_limit.is_some());
+    assert_eq!(cached().keyable_token_ids(&req).unwrap(), cached().request_token_ids(&req).unwrap());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Random text before the media message and random content in it: the keyable ids are
+    /// always a prefix of the full ids.
+    #[test]
+    fn keyable_ids_are_a_prefix_whatever_follows(
+        system in "[ a-zA-Z0-9\n.,!<>|_]{0,40}",
+        user in "[ a-zA-Z0-9\n.,!<>|_]{0,40}",
+        content in "[ a-zA-Z0-9\n.,!<>|_]{0,20}",
+    ) {
+        let conv: &[(&str, &str)] = &[("system", &system), ("user", &user)];
+        let req = media_chat(conv, 1, true);
+        let keyable = cached().keyable_token_ids(&req).unwrap().remove(0);
+        let full = engine_ids(&req, &content);
+        prop_assert!(full.starts_with(&keyable), "{:?} vs {:?}", keyable, full);
+    }
+}
+
+#[test]
+fn inline_media_still_end_the_tokenizer_keys() {
+    // The approximate keys may go past an image with inline data (its identity is known), the
+    // token ids may not: how many placeholder tokens it becomes is the model processor's call.
+    let body = json!({"model": "m", "messages": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": "A"},
+    ]})
+    .to_string();
+    let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
+    assert_eq!(req.key_limit, None);
+    assert_eq!(req.chat.as_ref().unwrap().media.map(|m| m.message), Some(1));
+    let keyable = cached().keyable_token_ids(&req).unwrap().remove(0);
+    let head = cached().encode_uncached("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n", false).unwrap();
+    assert_eq!(keyable[..], head[..head.len() - 1]);
+}
