@@ -151,6 +151,7 @@ fn prompt_embeds_are_never_a_full_hit() {
         lora_name: None,
         group_idx: None,
         cache_salt: None,
+        ..Default::default()
     });
     r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), 0).unwrap();
     let full = r.route_http(plain.as_bytes(), [("x", "y")], 1).unwrap();

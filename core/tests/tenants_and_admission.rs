@@ -99,6 +99,7 @@ fn an_empty_cache_salt_is_no_salt_in_dual_keys() {
             lora_name: None,
             group_idx: None,
             cache_salt: salt.map(str::to_owned),
+            ..Default::default()
         })
     };
     let ids: Vec<u32> = (0..128).collect();
