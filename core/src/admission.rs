@@ -46,6 +46,7 @@ mod tests {
             healthy: true,
             metrics: m,
             inflight: 0,
+            last_assigned_ms: None,
             incarnation: 1,
         }
     }

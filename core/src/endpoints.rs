@@ -101,6 +101,10 @@ pub(crate) struct EndpointState {
     pub healthy: bool,
     pub metrics: Option<MetricsSnapshot>,
     pub inflight: u32,
+    /// When a decision last sent a request here (as target or prefill endpoint), this router's
+    /// own or one applied from another instance (`None`: never). Replicated state: instances fed
+    /// the same effects hold the same value.
+    pub last_assigned_ms: Option<u64>,
     /// Changes every time the slot is (re)assigned, so stale references can be detected.
     pub incarnation: u32,
 }
@@ -193,6 +197,7 @@ impl EndpointTable {
             healthy: true,
             metrics: None,
             inflight: 0,
+            last_assigned_ms: None,
             incarnation: self.incarnations,
         });
         let slot = slot as u16;

@@ -579,8 +579,8 @@ impl Router {
             incarnation: ep.incarnation,
         });
         if !st.inflight.contains(&e.request_id) {
-            let t = self.track(st, t_slot);
-            let p = p_slot.map(|p| self.track(st, p));
+            let t = self.track(st, t_slot, e.now_ms);
+            let p = p_slot.map(|p| self.track(st, p, e.now_ms));
             st.inflight.insert(&e.request_id, t, p, e.now_ms);
             let max = self.policy.load().policy.config().limits.max_inflight_requests;
             st.bound_inflight(max);
@@ -1005,8 +1005,8 @@ impl Router {
         let prefill = if mode == Mode::Disaggregated { prefill } else { None };
 
         // Book-keeping: assumed residency, in-flight counters, session affinity.
-        let target = self.track(st, d_slot);
-        let prefill_ref = prefill.map(|p| self.track(st, slots[p]));
+        let target = self.track(st, d_slot, now_ms);
+        let prefill_ref = prefill.map(|p| self.track(st, slots[p], now_ms));
         if approx_valid {
             for seq in keys.sequences() {
                 st.index.observe(seq, d_slot as usize);
@@ -1108,10 +1108,12 @@ impl Router {
         })
     }
 
-    fn track(&self, st: &mut State, slot: u16) -> SlotRef {
+    /// Count a request in flight at `slot`, sent there at `now_ms`.
+    fn track(&self, st: &mut State, slot: u16, now_ms: u64) -> SlotRef {
         match st.endpoints.get_mut(slot) {
             Some(ep) => {
                 ep.inflight = ep.inflight.saturating_add(1);
+                ep.last_assigned_ms = Some(ep.last_assigned_ms.map_or(now_ms, |t| t.max(now_ms)));
                 SlotRef { slot, incarnation: ep.incarnation }
             }
             None => SlotRef { slot, incarnation: 0 },

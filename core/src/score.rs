@@ -49,6 +49,11 @@ pub struct EndpointScore {
     pub inflight: f64,
     /// The weighted total.
     pub total: f64,
+    /// When the router last sent a request here (ms; `None`: never), from its own decisions and
+    /// the effects it applied. Breaks ties of `total`: the least recently assigned endpoint
+    /// wins, so cold prefixes on an idle fleet spread over every endpoint; then the rendezvous
+    /// hash.
+    pub last_assigned_ms: Option<u64>,
 }
 
 impl EndpointScore {
@@ -67,6 +72,7 @@ impl EndpointScore {
             session: 0.0,
             inflight: 0.0,
             total: f64::NEG_INFINITY,
+            last_assigned_ms: None,
         }
     }
 }
@@ -139,6 +145,7 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
         session,
         inflight,
         total,
+        last_assigned_ms: ep.last_assigned_ms,
     }
 }
 
@@ -213,10 +220,18 @@ fn max_score(ids: &[Arc<str>], scores: &[EndpointScore], cands: &[usize], anchor
         if d > TIE_EPSILON {
             best = (i, None);
         } else if d.abs() <= TIE_EPSILON {
-            let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
-            let r = rendezvous(i);
-            if r > b {
-                best = (i, Some(r));
+            // Tied: the least recently assigned endpoint first (`None`, never, is the least),
+            // then the highest rendezvous hash of (request anchor, endpoint id).
+            match scores[i].last_assigned_ms.cmp(&scores[best.0].last_assigned_ms) {
+                std::cmp::Ordering::Less => best = (i, None),
+                std::cmp::Ordering::Greater => {}
+                std::cmp::Ordering::Equal => {
+                    let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
+                    let r = rendezvous(i);
+                    if r > b {
+                        best = (i, Some(r));
+                    }
+                }
             }
         }
     }
@@ -260,6 +275,24 @@ mod tests {
             (0..64).map(|a| pick(&p, &id, &scores, &[0, 1, 2], a, 0).unwrap()).collect();
         assert_eq!(picks, [1, 2].into_iter().collect());
         assert_eq!(pick(&p, &id, &scores, &[], 1, 0), None);
+    }
+
+    #[test]
+    fn ties_go_to_the_least_recently_assigned_endpoint_first() {
+        let id = ids(&["a:1", "b:1", "c:1"]);
+        let p = PickerConfig::MaxScore;
+        let mut scores = vec![s("a:1", 0.7), s("b:1", 0.7), s("c:1", 0.7)];
+        scores[0].last_assigned_ms = Some(5);
+        scores[1].last_assigned_ms = Some(3);
+        scores[2].last_assigned_ms = Some(9);
+        for anchor in 0..64 {
+            assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], anchor, 0), Some(1), "least recent wins every tie");
+            assert_eq!(pick(&p, &id, &scores, &[2, 0, 1], anchor, 0), Some(1), "independent of order");
+        }
+        scores[2].last_assigned_ms = None;
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0), Some(2), "never assigned is the least recent");
+        scores[0].total = 0.8;
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0), Some(0), "only ties look at recency");
     }
 
     #[test]
