@@ -47,6 +47,9 @@ mod tests {
             metrics: m,
             inflight: 0,
             last_assigned_ms: None,
+            waiting_now: 0,
+            kv_usage_now: 0.0,
+            kv_per_request: 0.0,
             incarnation: 1,
         }
     }

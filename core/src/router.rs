@@ -234,6 +234,7 @@ impl State {
             if let Some(ep) = self.endpoints.get_mut(r.slot) {
                 if ep.incarnation == r.incarnation {
                     ep.inflight = ep.inflight.saturating_sub(1);
+                    ep.done();
                 }
             }
         }
@@ -441,12 +442,19 @@ impl Router {
     }
 
     /// Store a metrics snapshot (its `updated_ms` is the time it was taken).
+    ///
+    /// Until the next snapshot, scoring corrects it with what the router itself saw since: every
+    /// completion there takes one request off the reported waiting queue and one request's share
+    /// off the KV usage (the snapshot's usage per running request), never below 0; every request
+    /// it sent there (or applied from another instance's effect) adds one of each. Metrics lag by a scrape interval
+    /// while the router's own traffic is known at once; read as they are, a stale report would
+    /// send every request between two scrapes to whichever endpoint last reported least.
     pub fn update_metrics(&self, id: &str, metrics: MetricsSnapshot) -> Result<(), StateError> {
         metrics.validate(id)?;
         let mut st = self.lock();
         let slot = st.endpoints.slot_of(id).ok_or_else(|| StateError::UnknownEndpoint { id: id.to_owned() })?;
         if let Some(ep) = st.endpoints.get_mut(slot) {
-            ep.metrics = Some(metrics);
+            ep.set_metrics(metrics);
         }
         Ok(())
     }
@@ -1113,6 +1121,7 @@ impl Router {
         match st.endpoints.get_mut(slot) {
             Some(ep) => {
                 ep.inflight = ep.inflight.saturating_add(1);
+                ep.sent();
                 ep.last_assigned_ms = Some(ep.last_assigned_ms.map_or(now_ms, |t| t.max(now_ms)));
                 SlotRef { slot, incarnation: ep.incarnation }
             }

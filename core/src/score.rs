@@ -39,9 +39,11 @@ pub struct EndpointScore {
     pub prefix_hit: f64,
     /// LoRA affinity (0–1).
     pub lora: f64,
-    /// Q̃: waiting queue / `scoring.queue_reference`.
+    /// Q̃: waiting queue / `scoring.queue_reference`, the queue being the metrics snapshot's
+    /// corrected by the router's own traffic since (see `Router::update_metrics`).
     pub queue: f64,
-    /// U: KV-cache usage (0–1).
+    /// U: KV-cache usage (0–1): the snapshot's, scaled by the change in the router's count of
+    /// requests there since the snapshot (see `Router::update_metrics`).
     pub kv_usage: f64,
     /// 1 when the request's session last went here.
     pub session: f64,
@@ -112,7 +114,7 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
                 }
                 Some(_) => 0.0,
             };
-            (f64::from(m.waiting) / s.queue_reference, m.kv_usage, lora)
+            (f64::from(ep.waiting_now) / s.queue_reference, ep.kv_usage_now, lora)
         }
         None => (0.0, 0.0, 0.0),
     };
