@@ -953,7 +953,10 @@ impl Router {
         let mut cands = std::mem::take(&mut st.cands_buf);
         let relaxed_decode = score::candidates(&scores, Role::decodes, &mut cands);
         st.draws = st.draws.wrapping_add(1);
-        let Some(d) = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor, st.draws) else {
+        let endpoints = &st.endpoints;
+        let last_assigned = |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.last_assigned_ms);
+        let picked = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor, st.draws, last_assigned);
+        let Some(d) = picked else {
             st.counters.route_errors += 1;
             st.slots_buf = slots;
             st.cands_buf = cands;
@@ -995,7 +998,11 @@ impl Router {
         let mut relaxed = relaxed_decode;
         let prefill = {
             let relaxed_p = score::candidates(&scores, |r| r == Role::Prefill, &mut cands);
-            let p = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor ^ 0x5046, st.draws);
+            let endpoints = &st.endpoints;
+            let last_assigned =
+                |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.last_assigned_ms);
+            let anchor = keys.anchor ^ 0x5046;
+            let p = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, anchor, st.draws, last_assigned);
             relaxed |= relaxed_p && p.is_some();
             p
         };

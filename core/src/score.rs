@@ -51,11 +51,6 @@ pub struct EndpointScore {
     pub inflight: f64,
     /// The weighted total.
     pub total: f64,
-    /// When the router last sent a request here (ms; `None`: never), from its own decisions and
-    /// the effects it applied. Breaks ties of `total`: the least recently assigned endpoint
-    /// wins, so cold prefixes on an idle fleet spread over every endpoint; then the rendezvous
-    /// hash.
-    pub last_assigned_ms: Option<u64>,
 }
 
 impl EndpointScore {
@@ -74,7 +69,6 @@ impl EndpointScore {
             session: 0.0,
             inflight: 0.0,
             total: f64::NEG_INFINITY,
-            last_assigned_ms: None,
         }
     }
 }
@@ -147,7 +141,6 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
         session,
         inflight,
         total,
-        last_assigned_ms: ep.last_assigned_ms,
     }
 }
 
@@ -179,7 +172,8 @@ pub(crate) fn candidates(scores: &[EndpointScore], in_pool: impl Fn(Role) -> boo
 }
 
 /// Pick one candidate. `draw` is the router's decision counter (advances the weighted-random
-/// generator deterministically).
+/// generator deterministically). `last_assigned(i)` is when the router last sent a request to
+/// endpoint `i` (`None`: never); it breaks ties of the max-score picker (asked only on a tie).
 pub(crate) fn pick(
     picker: &PickerConfig,
     ids: &[Arc<str>],
@@ -187,15 +181,16 @@ pub(crate) fn pick(
     cands: &[usize],
     anchor: u64,
     draw: u64,
+    last_assigned: impl Fn(usize) -> Option<u64>,
 ) -> Option<usize> {
     match picker {
-        PickerConfig::MaxScore => max_score(ids, scores, cands, anchor),
+        PickerConfig::MaxScore => max_score(ids, scores, cands, anchor, last_assigned),
         PickerConfig::WeightedRandom { seed, temperature } => {
             let max = cands.iter().map(|&i| scores[i].total).fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = cands.iter().map(|&i| ((scores[i].total - max) / temperature).exp()).collect();
             let sum: f64 = weights.iter().sum();
             if !(sum.is_finite() && sum > 0.0) {
-                return max_score(ids, scores, cands, anchor);
+                return max_score(ids, scores, cands, anchor, last_assigned);
             }
             let u = unit_f64(splitmix64(seed ^ draw.wrapping_mul(0x9E37_79B9_7F4A_7C15))) * sum;
             let mut acc = 0.0;
@@ -212,7 +207,13 @@ pub(crate) fn pick(
 
 const TIE_EPSILON: f64 = 1e-9;
 
-fn max_score(ids: &[Arc<str>], scores: &[EndpointScore], cands: &[usize], anchor: u64) -> Option<usize> {
+fn max_score(
+    ids: &[Arc<str>],
+    scores: &[EndpointScore],
+    cands: &[usize],
+    anchor: u64,
+    last_assigned: impl Fn(usize) -> Option<u64>,
+) -> Option<usize> {
     let rendezvous = |i: usize| xxh3_64_with_seed(ids[i].as_bytes(), anchor);
     let (&first, rest) = cands.split_first()?;
     // (index, rendezvous hash computed only once a tie needs it)
@@ -224,7 +225,7 @@ fn max_score(ids: &[Arc<str>], scores: &[EndpointScore], cands: &[usize], anchor
         } else if d.abs() <= TIE_EPSILON {
             // Tied: the least recently assigned endpoint first (`None`, never, is the least),
             // then the highest rendezvous hash of (request anchor, endpoint id).
-            match scores[i].last_assigned_ms.cmp(&scores[best.0].last_assigned_ms) {
+            match last_assigned(i).cmp(&last_assigned(best.0)) {
                 std::cmp::Ordering::Less => best = (i, None),
                 std::cmp::Ordering::Greater => {}
                 std::cmp::Ordering::Equal => {
@@ -268,15 +269,15 @@ mod tests {
         let scores = vec![s("a:1", 0.5), s("b:1", 0.7), s("c:1", 0.7)];
         let id = ids(&["a:1", "b:1", "c:1"]);
         let p = PickerConfig::MaxScore;
-        let winner = pick(&p, &id, &scores, &[0, 1, 2], 42, 0).unwrap();
+        let winner = pick(&p, &id, &scores, &[0, 1, 2], 42, 0, |_| None).unwrap();
         assert!(winner == 1 || winner == 2);
-        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 42, 5), Some(winner), "deterministic");
-        assert_eq!(pick(&p, &id, &scores, &[2, 1, 0], 42, 0), Some(winner), "independent of order");
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 42, 5, |_| None), Some(winner), "deterministic");
+        assert_eq!(pick(&p, &id, &scores, &[2, 1, 0], 42, 0, |_| None), Some(winner), "independent of order");
         // Different anchors spread ties over both.
         let picks: std::collections::BTreeSet<usize> =
-            (0..64).map(|a| pick(&p, &id, &scores, &[0, 1, 2], a, 0).unwrap()).collect();
+            (0..64).map(|a| pick(&p, &id, &scores, &[0, 1, 2], a, 0, |_| None).unwrap()).collect();
         assert_eq!(picks, [1, 2].into_iter().collect());
-        assert_eq!(pick(&p, &id, &scores, &[], 1, 0), None);
+        assert_eq!(pick(&p, &id, &scores, &[], 1, 0, |_| None), None);
     }
 
     #[test]
@@ -284,17 +285,15 @@ mod tests {
         let id = ids(&["a:1", "b:1", "c:1"]);
         let p = PickerConfig::MaxScore;
         let mut scores = vec![s("a:1", 0.7), s("b:1", 0.7), s("c:1", 0.7)];
-        scores[0].last_assigned_ms = Some(5);
-        scores[1].last_assigned_ms = Some(3);
-        scores[2].last_assigned_ms = Some(9);
+        let mut at = [Some(5), Some(3), Some(9)];
         for anchor in 0..64 {
-            assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], anchor, 0), Some(1), "least recent wins every tie");
-            assert_eq!(pick(&p, &id, &scores, &[2, 0, 1], anchor, 0), Some(1), "independent of order");
+            assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], anchor, 0, |i| at[i]), Some(1), "least recent wins ties");
+            assert_eq!(pick(&p, &id, &scores, &[2, 0, 1], anchor, 0, |i| at[i]), Some(1), "independent of order");
         }
-        scores[2].last_assigned_ms = None;
-        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0), Some(2), "never assigned is the least recent");
+        at[2] = None;
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0, |i| at[i]), Some(2), "never assigned is least recent");
         scores[0].total = 0.8;
-        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0), Some(0), "only ties look at recency");
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0, |i| at[i]), Some(0), "only ties look at recency");
     }
 
     #[test]
@@ -303,12 +302,12 @@ mod tests {
         let id = ids(&["a:1", "b:1"]);
         let p = PickerConfig::WeightedRandom { seed: 9, temperature: 0.5 };
         let n = 20_000;
-        let a = (0..n).filter(|&d| pick(&p, &id, &scores, &[0, 1], 0, d) == Some(0)).count();
+        let a = (0..n).filter(|&d| pick(&p, &id, &scores, &[0, 1], 0, d, |_| None) == Some(0)).count();
         let expect = 1.0 / (1.0 + (-2.0f64).exp());
         let got = a as f64 / n as f64;
         assert!((got - expect).abs() < 0.02, "{got} vs {expect}");
-        let seq1: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d)).collect();
-        let seq2: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d)).collect();
+        let seq1: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d, |_| None)).collect();
+        let seq2: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d, |_| None)).collect();
         assert_eq!(seq1, seq2, "seeded: same sequence");
     }
 

@@ -174,7 +174,7 @@ fn between_scrapes_the_routers_own_traffic_corrects_the_stale_snapshot() {
     // shows a queue and KV usage; then all three finish before the next scrape. Eight new
     // distinct prompts arriving now must spread evenly: X is as idle as the other endpoint.
     // Read as-is, the stale snapshot would send all eight to the other one (X's 2 waiting and
-    // 0.3 KV usage outweigh eight requests in flight).
+    // 0.03 KV usage outweigh eight requests in flight).
     let router = Router::default();
     let (a, b) = ("10.0.0.1:8000", "10.0.0.2:8000");
     for id in [a, b] {
@@ -189,7 +189,7 @@ fn between_scrapes_the_routers_own_traffic_corrects_the_stale_snapshot() {
     router
         .update_metrics(
             &x,
-            MetricsSnapshot { waiting: 2, running: 1, kv_usage: 0.3, updated_ms: 5, ..Default::default() },
+            MetricsSnapshot { waiting: 2, running: 1, kv_usage: 0.03, updated_ms: 5, ..Default::default() },
         )
         .unwrap();
     router.update_metrics(y, MetricsSnapshot { updated_ms: 5, ..Default::default() }).unwrap();
