@@ -39,4 +39,6 @@ pub mod workload;
 pub use error::SimError;
 pub use policy::{Balancer, EndpointLoad, Pick, PolicyKind};
 pub use sim::{compare, prepare, simulate, ClusterConfig, PolicyReport, Progress, SimRequest};
-pub use workload::{load_trace, read_jsonl, save_trace, synthetic, write_jsonl, Span, SyntheticConfig, TraceRequest};
+pub use workload::{
+    load_trace, read_jsonl, save_trace, synthetic, write_jsonl, Span, SyntheticConfig, TraceRequest, WorkloadKind,
+};

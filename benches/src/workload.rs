@@ -118,6 +118,47 @@ pub const DEFAULT_THINK_MS: f64 = 3_000.0;
 /// Bytes per token of the generated text (the router's default pseudo-token size).
 pub const BYTES_PER_TOKEN: usize = 4;
 
+/// What the synthetic workload's prompts share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkloadKind {
+    /// Multi-turn agent sessions: tenants' shared system prompts and growing conversations.
+    #[default]
+    Agents,
+    /// Every request is a one-turn session with a prompt of its own (its own system prompt and
+    /// cache salt): no request can reuse anything another one sent, so caching gives nothing and
+    /// only load balancing matters. `tenants` and `turns` are ignored.
+    Unique,
+}
+
+impl WorkloadKind {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::Agents => "agents",
+            WorkloadKind::Unique => "unique",
+        }
+    }
+}
+
+impl std::fmt::Display for WorkloadKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WorkloadKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<WorkloadKind, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "agents" => Ok(WorkloadKind::Agents),
+            "unique" => Ok(WorkloadKind::Unique),
+            other => Err(format!("unknown workload {other:?} (expected agents or unique)")),
+        }
+    }
+}
+
 /// Settings of the built-in synthetic multi-turn agent workload.
 ///
 /// Each tenant has a shared system prompt and its own `cache_salt`. Sessions arrive as a Poisson
@@ -128,6 +169,8 @@ pub const BYTES_PER_TOKEN: usize = 4;
 /// exactly the same requests at the same times).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SyntheticConfig {
+    /// What the prompts share (agent sessions, or nothing at all).
+    pub kind: WorkloadKind,
     /// Tenants (each with its own system prompt and cache salt).
     pub tenants: u32,
     /// Sessions to generate.
@@ -155,6 +198,7 @@ pub struct SyntheticConfig {
 impl Default for SyntheticConfig {
     fn default() -> Self {
         SyntheticConfig {
+            kind: WorkloadKind::Agents,
             tenants: DEFAULT_TENANTS,
             sessions: DEFAULT_SESSIONS,
             turns: DEFAULT_TURNS,
@@ -214,6 +258,13 @@ impl SyntheticConfig {
 
     /// A one-line description.
     pub fn describe(&self) -> String {
+        if self.kind == WorkloadKind::Unique {
+            return format!(
+                "synthetic unique-prompt workload: {} one-turn requests at {}/s, each with a prompt of its own \
+                 ({} + {} tok), output {} tok, seed {}",
+                self.sessions, self.rate_per_s, self.system_tokens, self.user_tokens, self.output_tokens, self.seed
+            );
+        }
         format!(
             "synthetic agent workload: {} tenants (system prompts {} tok), {} sessions at {}/s, {} turns, user {} tok, output {} tok, think {:.1}s, seed {}",
             self.tenants,
@@ -309,7 +360,18 @@ pub fn synthetic(cfg: &SyntheticConfig) -> Result<Vec<TraceRequest>, SimError> {
         let tenant = rng.random_range(0..cfg.tenants);
         let turns = cfg.turns.draw(&mut rng);
         let session = format!("s-{s}");
-        let mut messages = vec![serde_json::json!({"role": "system", "content": systems[tenant as usize]})];
+        let (turns, system, salt) = match cfg.kind {
+            WorkloadKind::Agents => (turns, systems[tenant as usize].clone(), format!("tenant-{tenant}")),
+            WorkloadKind::Unique => {
+                // A system prompt and a cache salt of its own: no block is shared with any
+                // other request (the head makes even the first block distinct).
+                let tokens = cfg.system_tokens.draw(&mut rng);
+                let head = format!("Request {s} of a workload where no two prompts share anything. ");
+                let body_tokens = tokens.saturating_sub((head.len() / BYTES_PER_TOKEN) as u32);
+                (1, format!("{head}{}", text.text(&mut rng, body_tokens)), format!("request-{s}"))
+            }
+        };
+        let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
         let mut t = start_ms;
         for k in 0..turns {
             let user_tokens = cfg.user_tokens.draw(&mut rng);
@@ -320,7 +382,7 @@ pub fn synthetic(cfg: &SyntheticConfig) -> Result<Vec<TraceRequest>, SimError> {
                 "model": cfg.model,
                 "messages": messages,
                 "max_tokens": output_tokens,
-                "cache_salt": format!("tenant-{tenant}"),
+                "cache_salt": salt,
             });
             out.push(TraceRequest {
                 t_ms: t as u64,
@@ -343,7 +405,10 @@ pub fn synthetic(cfg: &SyntheticConfig) -> Result<Vec<TraceRequest>, SimError> {
 
 /// Expected number of requests of a synthetic configuration.
 pub fn expected_requests(cfg: &SyntheticConfig) -> f64 {
-    f64::from(cfg.sessions) * cfg.turns.mean()
+    match cfg.kind {
+        WorkloadKind::Agents => f64::from(cfg.sessions) * cfg.turns.mean(),
+        WorkloadKind::Unique => f64::from(cfg.sessions),
+    }
 }
 
 #[derive(Serialize, Deserialize)]

@@ -46,6 +46,10 @@ mod tests {
             healthy: true,
             metrics: m,
             inflight: 0,
+            last_assigned_ms: None,
+            waiting_now: 0,
+            kv_usage_now: 0.0,
+            kv_per_request: 0.0,
             incarnation: 1,
         }
     }

@@ -326,8 +326,11 @@ impl Default for FilterConfig {
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum PickerConfig {
     #[default]
-    /// Highest score; ties (within 1e-9) go to the endpoint with the highest rendezvous hash of
-    /// (request anchor, endpoint id), so cold prefixes spread deterministically.
+    /// Highest score; ties (within 1e-9) go to the endpoint the router least recently sent a
+    /// request to (never counts as least; its own decisions and the routing effects it applied,
+    /// so instances sharing effects agree), then to the highest rendezvous hash of (request
+    /// anchor, endpoint id). Cold prefixes arriving on an idle fleet therefore visit every
+    /// endpoint in turn instead of falling where a hash sends them.
     MaxScore,
     /// Softmax over scores with `temperature`, drawn from a generator seeded with `seed` and
     /// advanced once per decision (deterministic for a given call sequence).

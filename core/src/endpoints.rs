@@ -101,8 +101,47 @@ pub(crate) struct EndpointState {
     pub healthy: bool,
     pub metrics: Option<MetricsSnapshot>,
     pub inflight: u32,
+    /// When a decision last sent a request here (as target or prefill endpoint), this router's
+    /// own or one applied from another instance (`None`: never). Replicated state: instances fed
+    /// the same effects hold the same value.
+    pub last_assigned_ms: Option<u64>,
+    /// The snapshot's waiting queue corrected by the router's own traffic since it was stored
+    /// (`sent` adds one request, `done` takes one off).
+    pub waiting_now: u32,
+    /// The snapshot's KV usage, corrected likewise.
+    pub kv_usage_now: f64,
+    /// KV usage per running request in the latest snapshot that had any running (0: none yet).
+    pub kv_per_request: f64,
     /// Changes every time the slot is (re)assigned, so stale references can be detected.
     pub incarnation: u32,
+}
+
+impl EndpointState {
+    /// Store a metrics snapshot; the corrected queue and KV usage restart from it.
+    pub(crate) fn set_metrics(&mut self, m: MetricsSnapshot) {
+        if m.running > 0 {
+            self.kv_per_request = m.kv_usage / f64::from(m.running);
+        }
+        self.waiting_now = m.waiting;
+        self.kv_usage_now = m.kv_usage;
+        self.metrics = Some(m);
+    }
+
+    /// A request was sent here (tracked in flight): until the next snapshot it counts as one
+    /// more waiting request and one more request's share of KV usage (the snapshot's usage per
+    /// running request, or the last one known). Metrics lag by a scrape interval while the
+    /// router's own traffic is known at once; read as they are, a stale report would send every
+    /// request between two scrapes to whichever endpoint last reported least.
+    pub(crate) fn sent(&mut self) {
+        self.waiting_now = self.waiting_now.saturating_add(1);
+        self.kv_usage_now = (self.kv_usage_now + self.kv_per_request).min(1.0);
+    }
+
+    /// A request here completed (or expired): one request and one share less, never below 0.
+    pub(crate) fn done(&mut self) {
+        self.waiting_now = self.waiting_now.saturating_sub(1);
+        self.kv_usage_now = (self.kv_usage_now - self.kv_per_request).max(0.0);
+    }
 }
 
 /// The endpoint table. Endpoints live in numbered slots (the index refers to slots); iteration is
@@ -193,6 +232,10 @@ impl EndpointTable {
             healthy: true,
             metrics: None,
             inflight: 0,
+            last_assigned_ms: None,
+            waiting_now: 0,
+            kv_usage_now: 0.0,
+            kv_per_request: 0.0,
             incarnation: self.incarnations,
         });
         let slot = slot as u16;

@@ -234,6 +234,7 @@ impl State {
             if let Some(ep) = self.endpoints.get_mut(r.slot) {
                 if ep.incarnation == r.incarnation {
                     ep.inflight = ep.inflight.saturating_sub(1);
+                    ep.done();
                 }
             }
         }
@@ -441,12 +442,19 @@ impl Router {
     }
 
     /// Store a metrics snapshot (its `updated_ms` is the time it was taken).
+    ///
+    /// Until the next snapshot, scoring corrects it with what the router itself saw since: every
+    /// completion there takes one request off the reported waiting queue and one request's share
+    /// off the KV usage (the snapshot's usage per running request), never below 0; every request
+    /// it sent there (or applied from another instance's effect) adds one of each. Metrics lag by a scrape interval
+    /// while the router's own traffic is known at once; read as they are, a stale report would
+    /// send every request between two scrapes to whichever endpoint last reported least.
     pub fn update_metrics(&self, id: &str, metrics: MetricsSnapshot) -> Result<(), StateError> {
         metrics.validate(id)?;
         let mut st = self.lock();
         let slot = st.endpoints.slot_of(id).ok_or_else(|| StateError::UnknownEndpoint { id: id.to_owned() })?;
         if let Some(ep) = st.endpoints.get_mut(slot) {
-            ep.metrics = Some(metrics);
+            ep.set_metrics(metrics);
         }
         Ok(())
     }
@@ -579,8 +587,8 @@ impl Router {
             incarnation: ep.incarnation,
         });
         if !st.inflight.contains(&e.request_id) {
-            let t = self.track(st, t_slot);
-            let p = p_slot.map(|p| self.track(st, p));
+            let t = self.track(st, t_slot, e.now_ms);
+            let p = p_slot.map(|p| self.track(st, p, e.now_ms));
             st.inflight.insert(&e.request_id, t, p, e.now_ms);
             let max = self.policy.load().policy.config().limits.max_inflight_requests;
             st.bound_inflight(max);
@@ -968,7 +976,10 @@ impl Router {
         let mut cands = std::mem::take(&mut st.cands_buf);
         let relaxed_decode = score::candidates(&scores, Role::decodes, &mut cands);
         st.draws = st.draws.wrapping_add(1);
-        let Some(d) = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor, st.draws) else {
+        let endpoints = &st.endpoints;
+        let last_assigned = |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.last_assigned_ms);
+        let picked = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor, st.draws, last_assigned);
+        let Some(d) = picked else {
             st.counters.route_errors += 1;
             st.slots_buf = slots;
             st.cands_buf = cands;
@@ -1010,7 +1021,11 @@ impl Router {
         let mut relaxed = relaxed_decode;
         let prefill = {
             let relaxed_p = score::candidates(&scores, |r| r == Role::Prefill, &mut cands);
-            let p = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, keys.anchor ^ 0x5046, st.draws);
+            let endpoints = &st.endpoints;
+            let last_assigned =
+                |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.last_assigned_ms);
+            let anchor = keys.anchor ^ 0x5046;
+            let p = score::pick(&cfg.scoring.picker, &roster, &scores, &cands, anchor, st.draws, last_assigned);
             relaxed |= relaxed_p && p.is_some();
             p
         };
@@ -1028,8 +1043,8 @@ impl Router {
         let prefill = if mode == Mode::Disaggregated { prefill } else { None };
 
         // Book-keeping: assumed residency, in-flight counters, session affinity.
-        let target = self.track(st, d_slot);
-        let prefill_ref = prefill.map(|p| self.track(st, slots[p]));
+        let target = self.track(st, d_slot, now_ms);
+        let prefill_ref = prefill.map(|p| self.track(st, slots[p], now_ms));
         if approx_valid {
             for seq in keys.sequences() {
                 st.index.observe(seq, d_slot as usize);
@@ -1131,10 +1146,13 @@ impl Router {
         })
     }
 
-    fn track(&self, st: &mut State, slot: u16) -> SlotRef {
+    /// Count a request in flight at `slot`, sent there at `now_ms`.
+    fn track(&self, st: &mut State, slot: u16, now_ms: u64) -> SlotRef {
         match st.endpoints.get_mut(slot) {
             Some(ep) => {
                 ep.inflight = ep.inflight.saturating_add(1);
+                ep.sent();
+                ep.last_assigned_ms = Some(ep.last_assigned_ms.map_or(now_ms, |t| t.max(now_ms)));
                 SlotRef { slot, incarnation: ep.incarnation }
             }
             None => SlotRef { slot, incarnation: 0 },

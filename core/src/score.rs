@@ -39,9 +39,11 @@ pub struct EndpointScore {
     pub prefix_hit: f64,
     /// LoRA affinity (0–1).
     pub lora: f64,
-    /// Q̃: waiting queue / `scoring.queue_reference`.
+    /// Q̃: waiting queue / `scoring.queue_reference`, the queue being the metrics snapshot's
+    /// corrected by the router's own traffic since (see `Router::update_metrics`).
     pub queue: f64,
-    /// U: KV-cache usage (0–1).
+    /// U: KV-cache usage (0–1): the snapshot's, scaled by the change in the router's count of
+    /// requests there since the snapshot (see `Router::update_metrics`).
     pub kv_usage: f64,
     /// 1 when the request's session last went here.
     pub session: f64,
@@ -106,7 +108,7 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
                 }
                 Some(_) => 0.0,
             };
-            (f64::from(m.waiting) / s.queue_reference, m.kv_usage, lora)
+            (f64::from(ep.waiting_now) / s.queue_reference, ep.kv_usage_now, lora)
         }
         None => (0.0, 0.0, 0.0),
     };
@@ -170,7 +172,8 @@ pub(crate) fn candidates(scores: &[EndpointScore], in_pool: impl Fn(Role) -> boo
 }
 
 /// Pick one candidate. `draw` is the router's decision counter (advances the weighted-random
-/// generator deterministically).
+/// generator deterministically). `last_assigned(i)` is when the router last sent a request to
+/// endpoint `i` (`None`: never); it breaks ties of the max-score picker (asked only on a tie).
 pub(crate) fn pick(
     picker: &PickerConfig,
     ids: &[Arc<str>],
@@ -178,15 +181,16 @@ pub(crate) fn pick(
     cands: &[usize],
     anchor: u64,
     draw: u64,
+    last_assigned: impl Fn(usize) -> Option<u64>,
 ) -> Option<usize> {
     match picker {
-        PickerConfig::MaxScore => max_score(ids, scores, cands, anchor),
+        PickerConfig::MaxScore => max_score(ids, scores, cands, anchor, last_assigned),
         PickerConfig::WeightedRandom { seed, temperature } => {
             let max = cands.iter().map(|&i| scores[i].total).fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = cands.iter().map(|&i| ((scores[i].total - max) / temperature).exp()).collect();
             let sum: f64 = weights.iter().sum();
             if !(sum.is_finite() && sum > 0.0) {
-                return max_score(ids, scores, cands, anchor);
+                return max_score(ids, scores, cands, anchor, last_assigned);
             }
             let u = unit_f64(splitmix64(seed ^ draw.wrapping_mul(0x9E37_79B9_7F4A_7C15))) * sum;
             let mut acc = 0.0;
@@ -203,7 +207,13 @@ pub(crate) fn pick(
 
 const TIE_EPSILON: f64 = 1e-9;
 
-fn max_score(ids: &[Arc<str>], scores: &[EndpointScore], cands: &[usize], anchor: u64) -> Option<usize> {
+fn max_score(
+    ids: &[Arc<str>],
+    scores: &[EndpointScore],
+    cands: &[usize],
+    anchor: u64,
+    last_assigned: impl Fn(usize) -> Option<u64>,
+) -> Option<usize> {
     let rendezvous = |i: usize| xxh3_64_with_seed(ids[i].as_bytes(), anchor);
     let (&first, rest) = cands.split_first()?;
     // (index, rendezvous hash computed only once a tie needs it)
@@ -213,10 +223,18 @@ fn max_score(ids: &[Arc<str>], scores: &[EndpointScore], cands: &[usize], anchor
         if d > TIE_EPSILON {
             best = (i, None);
         } else if d.abs() <= TIE_EPSILON {
-            let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
-            let r = rendezvous(i);
-            if r > b {
-                best = (i, Some(r));
+            // Tied: the least recently assigned endpoint first (`None`, never, is the least),
+            // then the highest rendezvous hash of (request anchor, endpoint id).
+            match last_assigned(i).cmp(&last_assigned(best.0)) {
+                std::cmp::Ordering::Less => best = (i, None),
+                std::cmp::Ordering::Greater => {}
+                std::cmp::Ordering::Equal => {
+                    let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
+                    let r = rendezvous(i);
+                    if r > b {
+                        best = (i, Some(r));
+                    }
+                }
             }
         }
     }
@@ -251,15 +269,31 @@ mod tests {
         let scores = vec![s("a:1", 0.5), s("b:1", 0.7), s("c:1", 0.7)];
         let id = ids(&["a:1", "b:1", "c:1"]);
         let p = PickerConfig::MaxScore;
-        let winner = pick(&p, &id, &scores, &[0, 1, 2], 42, 0).unwrap();
+        let winner = pick(&p, &id, &scores, &[0, 1, 2], 42, 0, |_| None).unwrap();
         assert!(winner == 1 || winner == 2);
-        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 42, 5), Some(winner), "deterministic");
-        assert_eq!(pick(&p, &id, &scores, &[2, 1, 0], 42, 0), Some(winner), "independent of order");
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 42, 5, |_| None), Some(winner), "deterministic");
+        assert_eq!(pick(&p, &id, &scores, &[2, 1, 0], 42, 0, |_| None), Some(winner), "independent of order");
         // Different anchors spread ties over both.
         let picks: std::collections::BTreeSet<usize> =
-            (0..64).map(|a| pick(&p, &id, &scores, &[0, 1, 2], a, 0).unwrap()).collect();
+            (0..64).map(|a| pick(&p, &id, &scores, &[0, 1, 2], a, 0, |_| None).unwrap()).collect();
         assert_eq!(picks, [1, 2].into_iter().collect());
-        assert_eq!(pick(&p, &id, &scores, &[], 1, 0), None);
+        assert_eq!(pick(&p, &id, &scores, &[], 1, 0, |_| None), None);
+    }
+
+    #[test]
+    fn ties_go_to_the_least_recently_assigned_endpoint_first() {
+        let id = ids(&["a:1", "b:1", "c:1"]);
+        let p = PickerConfig::MaxScore;
+        let mut scores = vec![s("a:1", 0.7), s("b:1", 0.7), s("c:1", 0.7)];
+        let mut at = [Some(5), Some(3), Some(9)];
+        for anchor in 0..64 {
+            assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], anchor, 0, |i| at[i]), Some(1), "least recent wins ties");
+            assert_eq!(pick(&p, &id, &scores, &[2, 0, 1], anchor, 0, |i| at[i]), Some(1), "independent of order");
+        }
+        at[2] = None;
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0, |i| at[i]), Some(2), "never assigned is least recent");
+        scores[0].total = 0.8;
+        assert_eq!(pick(&p, &id, &scores, &[0, 1, 2], 1, 0, |i| at[i]), Some(0), "only ties look at recency");
     }
 
     #[test]
@@ -268,12 +302,12 @@ mod tests {
         let id = ids(&["a:1", "b:1"]);
         let p = PickerConfig::WeightedRandom { seed: 9, temperature: 0.5 };
         let n = 20_000;
-        let a = (0..n).filter(|&d| pick(&p, &id, &scores, &[0, 1], 0, d) == Some(0)).count();
+        let a = (0..n).filter(|&d| pick(&p, &id, &scores, &[0, 1], 0, d, |_| None) == Some(0)).count();
         let expect = 1.0 / (1.0 + (-2.0f64).exp());
         let got = a as f64 / n as f64;
         assert!((got - expect).abs() < 0.02, "{got} vs {expect}");
-        let seq1: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d)).collect();
-        let seq2: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d)).collect();
+        let seq1: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d, |_| None)).collect();
+        let seq2: Vec<_> = (0..50).map(|d| pick(&p, &id, &scores, &[0, 1], 0, d, |_| None)).collect();
         assert_eq!(seq1, seq2, "seeded: same sequence");
     }
 

@@ -167,3 +167,48 @@ fn fail_open_endpoint_prefers_healthy_decoders_with_the_fewest_requests_in_fligh
     r.set_healthy("10.0.0.3:1", false).unwrap();
     assert!(r.fail_open_endpoint().is_some(), "any endpoint at all");
 }
+
+#[test]
+fn between_scrapes_the_routers_own_traffic_corrects_the_stale_snapshot() {
+    // One endpoint (X) served three requests of one prompt; a scrape taken while they were there
+    // shows a queue and KV usage; then all three finish before the next scrape. Eight new
+    // distinct prompts arriving now must spread evenly: X is as idle as the other endpoint.
+    // Read as-is, the stale snapshot would send all eight to the other one (X's 2 waiting and
+    // 0.03 KV usage outweigh eight requests in flight).
+    let router = Router::default();
+    let (a, b) = ("10.0.0.1:8000", "10.0.0.2:8000");
+    for id in [a, b] {
+        router.upsert_endpoint(EndpointSpec::new(id, Role::Decode)).unwrap();
+        router.update_metrics(id, metrics(0, 0)).unwrap();
+    }
+    let hot = chat(&"the hot tenant's system prompt ".repeat(200), "q");
+    let ids: Vec<_> = (0..3).map(|_| router.route_http(hot.as_bytes(), [("x", "y")], 1).unwrap()).collect::<Vec<_>>();
+    let x = ids[0].endpoint.clone().unwrap();
+    assert!(ids.iter().all(|d| d.endpoint.as_ref() == Some(&x)), "the repeats follow the cache");
+    let y = if &*x == a { b } else { a };
+    router
+        .update_metrics(
+            &x,
+            MetricsSnapshot { waiting: 2, running: 1, kv_usage: 0.03, updated_ms: 5, ..Default::default() },
+        )
+        .unwrap();
+    router.update_metrics(y, MetricsSnapshot { updated_ms: 5, ..Default::default() }).unwrap();
+    for d in &ids {
+        router.complete(&d.request_id).unwrap();
+    }
+    let mut per: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..8 {
+        let body = chat(&format!("cold tenant {i} ").repeat(150), "q");
+        let d = router.route_http(body.as_bytes(), [("x", "y")], 6).unwrap();
+        *per.entry(d.endpoint.unwrap().to_string()).or_default() += 1;
+    }
+    assert_eq!(per.get(&*x), Some(&4), "{per:?}");
+    assert_eq!(per.get(y), Some(&4), "{per:?}");
+
+    // The correction ends at the next snapshot: a fresh report is taken as it is.
+    router.update_metrics(&x, metrics(12, 7)).unwrap();
+    router.update_metrics(y, metrics(0, 7)).unwrap();
+    let d = router.route_http(chat("another cold one", "q").as_bytes(), [("x", "y")], 7).unwrap();
+    assert_eq!(d.endpoint.as_deref(), Some(y));
+    assert_eq!(d.score(&x).unwrap().queue, 12.0 / 8.0, "the reported queue, nothing added");
+}

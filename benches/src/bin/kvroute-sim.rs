@@ -19,7 +19,7 @@ use kvroute_benches::workload::{
 };
 use kvroute_benches::{
     compare, load_trace, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
-    SimError, Span, SyntheticConfig,
+    SimError, Span, SyntheticConfig, WorkloadKind,
 };
 
 /// Sessions in a `--quick` run.
@@ -32,6 +32,9 @@ WORKLOAD
   the previous assistant reply and a new user message, so conversations grow; turns are spaced by a
   nominal response time plus an exponential think time. Requests are OpenAI chat bodies with
   max_tokens = the output length and headers x-session-id and x-request-id.
+  --workload unique: every request is instead a one-turn session with a prompt of its own (its own
+  system prompt and cache_salt), so no policy can hit a cache and only load balancing counts;
+  --rate is then requests per second, --tenants and --turns are ignored.
 
 JSONL TRACE (--trace FILE, --write-trace FILE)
   One request per line (blank lines skipped, unknown fields rejected):
@@ -58,7 +61,8 @@ EXAMPLES
   kvroute-sim                          default comparison, chart in ./kvroute-sim.svg
   kvroute-sim --quick                  small run
   kvroute-sim --rate 4 --cache-tokens 80000 --policy my-policy.yaml
-  kvroute-sim --write-trace agent.jsonl && kvroute-sim --trace agent.jsonl";
+  kvroute-sim --write-trace agent.jsonl && kvroute-sim --trace agent.jsonl
+  kvroute-sim --workload unique --rate 10 --policies least-loaded,kvroute   nothing to cache";
 
 /// Compare LLM request-routing policies (round-robin, least-loaded, kvroute) on the same workload
 /// over a simulated cluster with true prefix caches; prints a table and writes an SVG chart.
@@ -74,6 +78,10 @@ struct Args {
     /// Endpoints in the cluster.
     #[arg(long, default_value_t = DEFAULT_ENDPOINTS, value_name = "N")]
     endpoints: u32,
+    /// Synthetic workload: `agents` (tenants' multi-turn sessions) or `unique` (every request a
+    /// prompt of its own: caching gives nothing, only load balancing counts).
+    #[arg(long, default_value_t = WorkloadKind::Agents, value_name = "KIND")]
+    workload: WorkloadKind,
     /// Tenants (synthetic workload), each with its own system prompt and cache_salt.
     #[arg(long, default_value_t = DEFAULT_TENANTS, value_name = "N")]
     tenants: u32,
@@ -184,6 +192,7 @@ fn run(args: &Args) -> Result<(), SimError> {
         Some(path) => (load_trace(path)?, format!("trace {}", path.display())),
         None => {
             let cfg = SyntheticConfig {
+                kind: args.workload,
                 tenants: args.tenants,
                 sessions: args.sessions.unwrap_or(if args.quick { QUICK_SESSIONS } else { DEFAULT_SESSIONS }),
                 turns: args.turns,

@@ -34,6 +34,7 @@ pub use runner::PolicyKind;
 use calibrate::{CalibrationShape, CostModel};
 use fleet::{Fleet, FleetOptions};
 use report::PolicySummary;
+pub use workload::WorkloadKind;
 use workload::{Span, WorkloadSpec};
 
 /// Default number of workers.
@@ -119,6 +120,11 @@ pub struct DemoArgs {
     /// KV pool of each worker, tokens (rounded down to whole blocks) [default: 16384; quick: 1024].
     #[arg(long, value_name = "TOKENS")]
     pub kv_tokens: Option<u32>,
+    /// Workload: `agents` (tenants' shared system prompts and growing conversations) or
+    /// `unique` (every request a prompt of its own, as long as a system prompt plus a first
+    /// message: caching gives nothing, only load balancing counts).
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Agents)]
+    pub workload: WorkloadKind,
     /// Tenants, each with its own long system prompt [default: 8; quick: 2].
     #[arg(long, value_name = "N")]
     pub tenants: Option<u32>,
@@ -156,7 +162,8 @@ ORACLE HIT RATE
 EXAMPLES
   kvroute-worker demo                               the full comparison (a few minutes)
   kvroute-worker demo --quick                       a tiny run (seconds)
-  kvroute-worker demo --load 0.6 --policies rr,precise --out demo.svg";
+  kvroute-worker demo --load 0.6 --policies rr,precise --out demo.svg
+  kvroute-worker demo --workload unique --policies ll,approx,precise   no shared prefixes: balance only";
 
 /// The settings a run resolves to (defaults depend on `--quick`).
 #[derive(Debug, Clone)]
@@ -206,6 +213,7 @@ impl Settings {
         anyhow::ensure!((1..=1000).contains(&agents), "--agents must be within 1..=1000");
         let spec = if q {
             WorkloadSpec {
+                kind: a.workload,
                 tenants,
                 agents_per_tenant: agents,
                 system_tokens: Span::new(128, 192),
@@ -219,6 +227,7 @@ impl Settings {
             }
         } else {
             WorkloadSpec {
+                kind: a.workload,
                 tenants,
                 agents_per_tenant: agents,
                 system_tokens: Span::new(1024, 2048),
@@ -525,6 +534,7 @@ fn results_json(
         "workers": s.workers,
         "load": s.load,
         "load_basis": s.load_basis.name(),
+        "workload": s.spec.kind.name(),
         "block_size": s.block_size,
         "kv_blocks_per_worker": s.kv_blocks,
         "seed": s.spec.seed,

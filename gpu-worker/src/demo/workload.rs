@@ -83,9 +83,32 @@ impl std::fmt::Display for Span {
     }
 }
 
+/// What the demo's prompts share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum WorkloadKind {
+    /// Tenants' long shared system prompts and growing agent conversations.
+    #[default]
+    Agents,
+    /// Every request a prompt of its own (system-prompt + first-message length, random tokens,
+    /// one-turn session): caching gives nothing, only load balancing counts.
+    Unique,
+}
+
+impl WorkloadKind {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::Agents => "agents",
+            WorkloadKind::Unique => "unique",
+        }
+    }
+}
+
 /// Shape of the workload (everything but the arrival rate).
 #[derive(Debug, Clone)]
 pub(crate) struct WorkloadSpec {
+    /// What the prompts share.
+    pub(crate) kind: WorkloadKind,
     /// Tenants, each with its own system prompt.
     pub(crate) tenants: u32,
     /// Concurrent agent conversations per tenant.
@@ -111,6 +134,13 @@ pub(crate) struct WorkloadSpec {
 impl WorkloadSpec {
     /// One-line description.
     pub(crate) fn describe(&self) -> String {
+        if self.kind == WorkloadKind::Unique {
+            return format!(
+                "unique prompts: every request a prompt of its own ({} + {} tok of random tokens), reply {} tok; \
+                 seed {}",
+                self.system_tokens, self.first_message_tokens, self.output_tokens, self.seed
+            );
+        }
         format!(
             "{} tenants x {} agents; system prompt {} tok per tenant; first message {} tok, then +{} tok \
              message + {} tok reply per turn; {} turns; prompts <= {} tok; seed {}",
@@ -159,6 +189,24 @@ fn tokens(rng: &mut Rng, n: u32, vocab: u32) -> impl Iterator<Item = u32> + '_ {
 /// The request contents in arrival order (independent of the rate): `n` requests.
 pub(crate) fn contents(spec: &WorkloadSpec, n: usize) -> Vec<DemoRequest> {
     let mut rng = Rng::new(spec.seed, 1);
+    if spec.kind == WorkloadKind::Unique {
+        return (0..n)
+            .map(|index| {
+                let len = rng.range(spec.system_tokens.min, spec.system_tokens.max)
+                    + rng.range(spec.first_message_tokens.min, spec.first_message_tokens.max);
+                let len = len.clamp(1, spec.max_prompt_tokens.max(1));
+                let prompt: Vec<u32> = tokens(&mut rng, len, spec.vocab_size).collect();
+                let max_tokens = rng.range(spec.output_tokens.min.max(1), spec.output_tokens.max.max(1));
+                DemoRequest {
+                    index,
+                    at_s: 0.0,
+                    session: Arc::from(format!("u{index}")),
+                    prompt: Arc::from(prompt),
+                    max_tokens,
+                }
+            })
+            .collect();
+    }
     let tenants = spec.tenants.max(1);
     let systems: Vec<Vec<u32>> = (0..tenants)
         .map(|_| {
@@ -265,6 +313,7 @@ mod tests {
 
     fn spec() -> WorkloadSpec {
         WorkloadSpec {
+            kind: WorkloadKind::Agents,
             tenants: 2,
             agents_per_tenant: 3,
             system_tokens: Span::new(64, 96),
@@ -299,6 +348,17 @@ mod tests {
             assert!(r.prompt.iter().all(|&t| (FIRST_TOKEN..1000).contains(&t)));
         }
         assert!(extended > 10);
+    }
+
+    #[test]
+    fn unique_prompts_share_no_block() {
+        let u = WorkloadSpec { kind: WorkloadKind::Unique, ..spec() };
+        let r = contents(&u, 200);
+        assert_eq!(r.len(), 200);
+        assert!(oracle_cached(&r, 16).iter().all(|&c| c == 0), "nothing to reuse");
+        let sessions: HashSet<&str> = r.iter().map(|x| &*x.session).collect();
+        assert_eq!(sessions.len(), 200, "one-turn sessions");
+        assert!(r.iter().all(|x| (84..=136).contains(&x.prompt.len())));
     }
 
     #[test]
