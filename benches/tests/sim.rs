@@ -97,6 +97,44 @@ fn without_cache_benefit_kvroute_is_within_ten_percent_of_least_loaded() {
     }
 }
 
+/// Two endpoints, two tenants, one turn per session: every prompt is a tenant's system prompt
+/// plus a message of its own, and both endpoints soon hold both system prompts whatever the
+/// policy, so round-robin already gets every hit there is and only load balancing counts.
+#[test]
+fn two_endpoints_where_round_robin_already_hits_kvroute_is_within_ten_percent_of_least_loaded() {
+    for rate in [2.0, 5.0, 10.0] {
+        let w = synthetic(&SyntheticConfig {
+            tenants: 2,
+            turns: Span::new(1, 1),
+            sessions: 500,
+            rate_per_s: rate,
+            ..Default::default()
+        })
+        .unwrap();
+        let policy = Policy::default();
+        let reqs = prepare(w, &policy.config().request).unwrap();
+        let two = ClusterConfig { endpoints: 2, ..cluster() };
+        let reports = compare(&reqs, &two, &PolicyKind::ALL, &policy, &mut |_| {}).unwrap();
+        let (rr, ll, kv) = (
+            by_name(&reports, PolicyKind::RoundRobin),
+            by_name(&reports, PolicyKind::LeastLoaded),
+            by_name(&reports, PolicyKind::Kvroute),
+        );
+        assert!(
+            kv.hit_ratio >= rr.hit_ratio - 0.01,
+            "rate {rate}: hits kvroute {} vs round-robin {}",
+            kv.hit_ratio,
+            rr.hit_ratio
+        );
+        assert!(
+            kv.ttft_p90_ms <= 1.10 * ll.ttft_p90_ms,
+            "rate {rate}: kvroute TTFT p90 {:.1} ms vs least-loaded {:.1} ms",
+            kv.ttft_p90_ms,
+            ll.ttft_p90_ms
+        );
+    }
+}
+
 #[test]
 fn kvroute_beats_round_robin_on_hits_without_hurting_ttft() {
     let reports = run(synthetic(&small()).unwrap());
