@@ -771,6 +771,26 @@ fn wrong_types_name_the_field() {
             "float",
         ),
         (batch(vec![V::Raw(vec![0xc1])], V::Nil), site(0, "event"), "reserved byte 0xc1"),
+        // Fields decoded since vLLM 0.33 / SGLang: wrong types are typed errors too.
+        (batch(vec![map([("type", s("BlockStored")), ("ownership", i(1))])], V::Nil), site(0, "ownership"), "int"),
+        (
+            batch(vec![map([("type", s("BlockStored")), ("session_id", arr([]))])], V::Nil),
+            site(0, "session_id"),
+            "array",
+        ),
+        (batch(vec![map([("type", s("BlockStored")), ("locality", i(2))])], V::Nil), site(0, "locality"), "int"),
+        (batch(vec![map([("type", s("BlockStored")), ("cache_salt", i(2))])], V::Nil), site(0, "cache_salt"), "int"),
+        (
+            batch(vec![map([("type", s("BlockStored")), ("lookahead_token_ids", s("x"))])], V::Nil),
+            site(0, "lookahead_token_ids"),
+            "str",
+        ),
+        (batch(vec![map([("type", s("BlockStored")), ("extra_keys", i(7))])], V::Nil), site(0, "extra_keys"), "int"),
+        (
+            batch(vec![map([("type", s("BlockRemoved")), ("ownership", V::F64(1.0))])], V::Nil),
+            site(0, "ownership"),
+            "float",
+        ),
     ];
     for (p, want_site, want_found) in cases {
         match err(&p) {
