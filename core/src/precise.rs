@@ -112,17 +112,32 @@ impl PreciseKeys {
     /// cannot be computed: a text prompt (no token ids; see the router's tokenizer), or — with
     /// engine keys — a LoRA adapter whose path the engine hashes but the policy does not know.
     pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys, scratch: &mut Vec<u8>) -> bool {
+        let limit = req.key_limit;
         let mut seqs: Vec<&[u32]> = Vec::with_capacity(req.prompts.len());
-        for p in &req.prompts {
+        for (i, p) in req.prompts.iter().enumerate() {
             match p {
-                Prompt::Tokens(ids) => seqs.push(ids),
+                // Keyed up to the request's key limit, as the approximate keys are.
+                Prompt::Tokens(ids) => seqs.push(match limit {
+                    Some(l) if i == l.prompt => &ids[..l.keyed_len.min(ids.len())],
+                    Some(l) if i > l.prompt => &[],
+                    _ => ids,
+                }),
                 Prompt::Text(_) => {
                     clear(out);
                     return false;
                 }
             }
         }
-        self.keys_for_tokens(req.lora_adapter.as_deref(), req.cache_salt.as_deref(), &seqs, out, scratch)
+        let ok = self.keys_for_tokens(req.lora_adapter.as_deref(), req.cache_salt.as_deref(), &seqs, out, scratch);
+        if let Some(l) = limit {
+            // What the keys cannot cover still counts in the hit denominator: the ids past the
+            // limit, the media (e.g. `prompt_embeds`) and the ids of the cut sequence after its
+            // last full block. Every sequence here is token ids, so bytes per token do not apply.
+            let bt = u64::from(self.block_tokens().max(1));
+            let partial = seqs.get(l.prompt).map_or(0, |s| s.len() as u64 % bt);
+            out.unkeyed_blocks = RequestKeys::blocks_for(req.unkeyed_tokens(1) + partial, self.block_tokens());
+        }
+        ok
     }
 
     /// The precise keys of token sequences (a request's prompts, tokenized) into `out`.
@@ -160,6 +175,7 @@ fn clear(out: &mut RequestKeys) {
     out.keys.clear();
     out.seq_starts.clear();
     out.anchor = 0;
+    out.unkeyed_blocks = 0;
 }
 
 fn engine_keys(
@@ -821,6 +837,30 @@ mod tests {
         let mut k = RequestKeys::default();
         assert!(ix.hashing().request_keys(&r, &mut k));
         k
+    }
+
+    #[test]
+    fn token_keys_end_at_the_key_limit_and_count_the_rest() {
+        let pk = PreciseKeys::from_config(&PolicyConfig::default().index.precise);
+        let mut r = crate::request::RouteRequest::text("m", "");
+        r.prompts = vec![crate::request::Prompt::Tokens((0..100).collect())];
+        let bt = pk.block_tokens() as usize;
+        let mut full = RequestKeys::default();
+        assert!(pk.request_keys(&r, &mut full, &mut Vec::new()));
+        assert_eq!((full.keys.len(), full.unkeyed_blocks), (100 / bt, 0));
+        // A limit inside the sequence: keys stop there, and the ids past it (plus the cut
+        // block's partial ids) count in the hit denominator, so it is never a full hit.
+        r.key_limit =
+            Some(crate::request::KeyLimit { prompt: 0, keyed_len: 2 * bt + 3, message: None, media_parts: 0 });
+        let mut cut = RequestKeys::default();
+        assert!(pk.request_keys(&r, &mut cut, &mut Vec::new()));
+        assert_eq!(cut.keys[..], full.keys[..2], "the same chain up to the limit");
+        let unkeyed = (100 - (2 * bt + 3)) + 3;
+        assert_eq!(cut.unkeyed_blocks as usize, unkeyed.div_ceil(bt));
+        // Reused buffers start clean.
+        r.key_limit = None;
+        assert!(pk.request_keys(&r, &mut cut, &mut Vec::new()));
+        assert_eq!((cut.keys.len(), cut.unkeyed_blocks), (100 / bt, 0));
     }
 
     fn matched(ix: &KvIndex, keys: &RequestKeys) -> Vec<u32> {

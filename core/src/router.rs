@@ -827,12 +827,6 @@ impl Router {
             let mut bufs = cell.take();
             bufs.has_precise =
                 active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
-            // Token-id sequences are keyed in full; what the request cannot key (prompt_embeds)
-            // still counts in the hit denominator.
-            bufs.precise.unkeyed_blocks = RequestKeys::blocks_for(
-                req.unkeyed_tokens(active.policy.config().index.bytes_per_token),
-                active.precise_keys.block_tokens(),
-            );
             if active.reads_approx() || !bufs.has_precise {
                 active.hashing.request_keys(req, &mut bufs.approx);
             } else {
