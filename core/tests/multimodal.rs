@@ -146,11 +146,7 @@ fn prompt_embeds_are_never_a_full_hit() {
         parent_block_hash: None,
         token_ids: ids,
         block_size: 16,
-        lora_id: None,
         medium: Medium::Gpu,
-        lora_name: None,
-        group_idx: None,
-        cache_salt: None,
         ..Default::default()
     });
     r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), 0).unwrap();
