@@ -1,5 +1,5 @@
 //! `route()` with the approximate index at 8k-token-equivalent prompts, for 8, 64 and 512
-//! endpoints; plus parse+route and block hashing alone.
+//! endpoints; plus parse+route, routing with a reused request id, and block hashing alone.
 //!
 //! Run: `cargo bench -p kvroute-benches --bench route`. The index is warmed with realistic
 //! traffic first (tenants with shared system prompts and growing conversations), so lookups walk
@@ -94,6 +94,22 @@ fn bench_route(c: &mut Criterion) {
         }
     }
     g.finish();
+
+    // One caller-supplied x-request-id reused by 20k requests still in flight (a client bug, or
+    // an id space that repeats): each decision must find a unique id in O(1).
+    let (router, _) = router(8, 0);
+    let body = serde_json::json!({"model": "llama", "prompt": text(7, 4096), "max_tokens": 64}).to_string();
+    let headers = [("x-request-id", "reused")];
+    let held: Vec<String> =
+        (0..20_000).map(|_| router.route_http(body.as_bytes(), headers, NOW).unwrap().request_id).collect();
+    c.bench_function("route_reused_request_id_20k_inflight", |b| {
+        b.iter(|| {
+            let d = router.route_http(black_box(body.as_bytes()), headers, NOW).unwrap();
+            router.complete(&d.request_id).unwrap();
+            d
+        });
+    });
+    drop(held);
 
     let h = ApproxHashing { block_tokens: 64, bytes_per_token: 4, hash_seed: 0 };
     let req = RouteRequest::text("llama", &text(5, PROMPT_BYTES));

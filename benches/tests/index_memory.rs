@@ -7,7 +7,7 @@ use kvroute::{ApproxIndex, IndexStats};
 use kvroute_benches::indexload::{IndexWorkload, WorkloadShape};
 
 fn measure(label: &str, shape: &WorkloadShape, seed: u64) -> (IndexStats, f64) {
-    measure_with::<kvroute::index::FpBucket>(label, shape, seed, ApproxIndex::new(0, shape.capacity_per_endpoint))
+    measure_with::<ExactBucket>(label, shape, seed, ApproxIndex::new(0, shape.capacity_per_endpoint))
 }
 
 fn measure_with<B: BucketKind>(
@@ -45,7 +45,9 @@ fn bytes_per_membership_at_steady_state_with_eviction() {
     shape.capacity_per_endpoint /= 8;
     let (st, per) = measure("W=64 steady state", &shape, 11);
     assert!(st.memberships <= 64 * u64::from(shape.capacity_per_endpoint));
-    assert!(per <= 16.0, "{per:.2} bytes per membership");
+    // 12-byte exact-key buckets (issue 12: 32-bit fingerprints let chosen salts collide) and the
+    // dead records awaiting the sweeper: 17.1 measured.
+    assert!(per <= 18.0, "{per:.2} bytes per membership");
 }
 
 #[test]

@@ -219,6 +219,10 @@ struct State {
     sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
     inflight: InflightTable,
     next_request: u64,
+    /// Next suffix per reused request id (see `Router::assign_request_id`).
+    reused_ids: std::collections::HashMap<Arc<str>, u64, Xxh3DefaultBuilder>,
+    /// In-flight lookups made to find a unique suffix for reused ids (tests).
+    id_probes: u64,
     draws: u64,
     matched: PrefixMatch,
     pmatched: PrefixMatch,
@@ -317,6 +321,8 @@ impl Router {
             sessions: LruCache::with_hasher(nz(limits.session_capacity), Xxh3DefaultBuilder),
             inflight: InflightTable::new(),
             next_request: 0,
+            reused_ids: std::collections::HashMap::with_hasher(Xxh3DefaultBuilder),
+            id_probes: 0,
             draws: 0,
             matched: PrefixMatch::default(),
             pmatched: PrefixMatch::default(),
@@ -894,7 +900,7 @@ impl Router {
         let cfg = active.policy.config();
         let keys = &bufs.approx;
         let input_tokens = bufs.exact_input_tokens.unwrap_or_else(|| req.input_tokens(cfg.index.bytes_per_token));
-        let session_key = req.session_id.as_deref().map(|s| xxh3_64(s.as_bytes()));
+        let session_key = session_key(req);
         let mode = cfg.index.mode;
 
         let mut guard = self.lock();
@@ -1157,15 +1163,25 @@ impl Router {
         match &req.request_id {
             Some(id) if !st.inflight.contains(id.as_str()) => id.clone(),
             Some(id) => {
-                // The caller reused an id still in flight: make it unique so neither request's
-                // counters are lost; the decision carries the id to complete with.
-                let mut n = 2u64;
+                // The caller reused an id still in flight: make it unique (`{id}~{n}`) so neither
+                // request's counters are lost; the decision carries the id to complete with. The
+                // next suffix to try is remembered per reused id, so a suffix is probed at most
+                // once until the memory is cleared: O(1) amortized per decision, however many
+                // requests share the id.
+                if !st.reused_ids.contains_key(id.as_str()) {
+                    if st.reused_ids.len() >= REUSED_IDS_MAX {
+                        st.reused_ids.clear();
+                    }
+                    st.reused_ids.insert(Arc::from(id.as_str()), 2);
+                }
+                let Some(next) = st.reused_ids.get_mut(id.as_str()) else { return format!("{id}~2") };
                 loop {
-                    let candidate = format!("{id}~{n}");
+                    let candidate = format!("{id}~{next}");
+                    *next += 1;
+                    st.id_probes += 1;
                     if !st.inflight.contains(candidate.as_str()) {
                         return candidate;
                     }
-                    n += 1;
                 }
             }
             None => loop {
@@ -1178,6 +1194,31 @@ impl Router {
             },
         }
     }
+}
+
+/// Reused request ids whose next suffix is remembered (see `Router::assign_request_id`); beyond
+/// this many the memory starts over (each suffix then is probed once more at worst).
+const REUSED_IDS_MAX: usize = 4096;
+
+/// The session-affinity key of a request: its session id within its tenant. The tenant is the
+/// fairness id and the cache_salt (an empty salt is no salt), so another tenant reusing a session
+/// id is never steered to the first tenant's endpoint. Each part is length-prefixed, so no two
+/// different (fairness id, salt, session id) triples share an input.
+fn session_key(req: &RouteRequest) -> Option<u64> {
+    let session = req.session_id.as_deref()?;
+    let salt = req.cache_salt.as_deref().filter(|s| !s.is_empty());
+    let mut buf = Vec::with_capacity(session.len() + 32);
+    for part in [req.fairness_id.as_deref(), salt, Some(session)] {
+        match part {
+            None => buf.push(0),
+            Some(p) => {
+                buf.push(1);
+                buf.extend_from_slice(&(p.len() as u64).to_le_bytes());
+                buf.extend_from_slice(p.as_bytes());
+            }
+        }
+    }
+    Some(xxh3_64(&buf))
 }
 
 /// Per-thread key buffers (block hashing happens before the state lock is taken).
@@ -1255,6 +1296,31 @@ mod tests {
         r.complete("abc").unwrap();
         r.complete("abc~2").unwrap();
         assert!(r.endpoints().iter().all(|e| e.inflight == 0));
+    }
+
+    #[test]
+    fn a_reused_request_id_costs_o1_probes_per_decision() {
+        let r = Router::default();
+        r.upsert_endpoint(EndpointSpec::new("10.0.0.1:8000", Role::Decode)).unwrap();
+        let body = br#"{"model":"m","prompt":"hello"}"#;
+        let n = 3000u64;
+        let mut ids = std::collections::BTreeSet::new();
+        for t in 0..n {
+            ids.insert(r.route_http(body, [("x-request-id", "same")], t).unwrap().request_id);
+        }
+        assert_eq!(ids.len() as u64, n, "every decision got its own id");
+        assert!(ids.contains("same") && ids.contains("same~2") && ids.contains(format!("same~{n}").as_str()));
+        // One probe per reuse (the unfixed loop probed every earlier suffix: n²/2 in all).
+        assert_eq!(r.lock().id_probes, n - 1);
+        // A suffix a caller supplied itself is skipped, not reused.
+        r.route_http(body, [("x-request-id", format!("same~{}", n + 1).as_str())], n).unwrap();
+        let d = r.route_http(body, [("x-request-id", "same")], n + 1).unwrap();
+        assert_eq!(d.request_id, format!("same~{}", n + 2));
+        for id in &ids {
+            r.complete(id).unwrap();
+        }
+        // Once the original id is free again it is used as it is.
+        assert_eq!(r.route_http(body, [("x-request-id", "same")], n + 2).unwrap().request_id, "same");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! [`PrefixIndex`] answers, for each endpoint slot, how many leading blocks of each prompt
 //! sequence it holds and in which tier. Two instantiations:
 //! - [`ApproxIndex`]: blocks *assumed* resident because the router sent a request there
-//!   (tokenizer-free, no engine events needed; 8-byte fingerprint buckets);
+//!   (tokenizer-free, no engine events needed; exact 64-bit keys);
 //! - `PrefixIndex<ExactBucket>`: the event-fed precise index's store (exact keys, tiers from the
 //!   engine's events, speculative entries).
 

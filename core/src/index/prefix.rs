@@ -1,10 +1,12 @@
 //! The prefix index shared by both index kinds: which endpoint holds which block, in which tier,
 //! with a per-endpoint capacity and LRU-style eviction.
 //!
-//! - [`ApproxIndex`] = `PrefixIndex<FpBucket>`: blocks *assumed* resident because the router sent
-//!   a request there (8-byte fingerprint buckets).
-//! - The event-fed precise index uses `PrefixIndex<ExactBucket>` (exact 64-bit keys) and adds
-//!   tiers from the engine's events and speculative entries.
+//! - [`ApproxIndex`] = `PrefixIndex<ExactBucket>`: blocks *assumed* resident because the router
+//!   sent a request there (exact 64-bit keys: two tenants' keys never share an entry unless the
+//!   64-bit keys themselves are equal; 32-bit fingerprints let a chosen pair of salts collide in a
+//!   birthday search of about 2^16 salts, see `core/tests/tenant_boundaries.rs`).
+//! - The event-fed precise index uses `PrefixIndex<ExactBucket>` too and adds tiers from the
+//!   engine's events and speculative entries.
 //!
 //! # Structure
 //! One posting table maps a block key to the set of endpoints holding it. Each (block, endpoint)
@@ -40,12 +42,12 @@
 //! next sweep pass).
 //!
 //! # Memory
-//! A key with one holder costs one bucket (8 bytes approximate, 12 exact; load ≤ 7/8); each
+//! A key with one holder costs one bucket (12 bytes; load ≤ 7/8); each
 //! further holder costs 4 bytes in a size-classed arena chunk; an outstanding duplicate store on
 //! an offload tier costs one side-table entry (about 48 bytes). See `memory_bytes` and the `index_memory` test for
 //! measured bytes per membership.
 
-use super::table::{BucketKind, FpBucket, PostingTable};
+use super::table::{BucketKind, ExactBucket, PostingTable};
 use crate::config::TierWeights;
 use crate::events::Medium;
 use crate::hashing::{BlockKey, RequestKeys};
@@ -199,8 +201,8 @@ pub struct IndexStats {
     pub memory_bytes: u64,
 }
 
-/// The approximate index: keys stored as 32-bit fingerprints.
-pub type ApproxIndex = PrefixIndex<FpBucket>;
+/// The approximate index: whole 64-bit keys (12-byte buckets).
+pub type ApproxIndex = PrefixIndex<ExactBucket>;
 
 /// Extra stores of one (block, slot, offload tier) beyond the first: `(key, slot, tier bit)` →
 /// count. Only offload tiers are counted (see [`PrefixIndex::store`]); entries exist only while a

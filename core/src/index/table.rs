@@ -6,9 +6,9 @@
 //! inline when a key has one holder and in a size-classed arena otherwise.
 //!
 //! Layout:
-//! - a bucket is a key tag plus a 32-bit `head`. Two bucket kinds: [`FpBucket`] (8 bytes: a 32-bit
-//!   key fingerprint + head) for the approximate index, and [`ExactBucket`] (12 bytes: the whole
-//!   64-bit key + head) for the event-fed precise index. A head of 0 marks an empty bucket (real
+//! - a bucket is a key tag plus a 32-bit `head`. Two bucket kinds: [`ExactBucket`] (12 bytes: the
+//!   whole 64-bit key + head), used by both indexes, and [`FpBucket`] (8 bytes: a 32-bit key
+//!   fingerprint + head), for tables where a shared entry is harmless. A head of 0 marks an empty bucket (real
 //!   records are never 0). Linear probing from a home position derived from the tag,
 //!   any capacity (the home is a multiply-high range reduction), growth by 1.25x at load 7/8
 //!   (so the load stays within 0.7–0.875 and memory follows the contents closely), backward-shift
@@ -22,8 +22,11 @@
 //! therefore share one entry: among `n` keys about `n² / 2^33` such pairs exist (≈ 57 among 700k
 //! keys, measured). A shared entry can make an endpoint that holds one of the two blocks appear to
 //! hold the other, i.e. extend a match by one block at one chain position — an error far below the
-//! approximate index's own (it records *assumed* residency) and one that buys 8-byte buckets
-//! instead of 12 or 16. The event-fed precise index uses [`ExactBucket`]: no two keys ever share.
+//! approximate index's own (it records *assumed* residency) — but keys are chained from the
+//! tenant's cache_salt, so a client choosing salts can find two tenants whose first keys share a
+//! fingerprint in a birthday search of about 2^16 salts (under a second), and one tenant's cached
+//! prefix would then steer the other's requests. Both indexes therefore use [`ExactBucket`]: no
+//! two distinct keys ever share an entry.
 
 const CHUNK_FLAG: u32 = 1 << 31;
 const NONE: u32 = u32::MAX;
