@@ -28,22 +28,34 @@
 //! When the router judges a batch a [`StreamVerdict::Gap`] (batches `expected..got` are
 //! missing), the batch is held and the worker:
 //! 1. opens a fresh `DEALER` (so a late answer to an earlier, timed-out request can never be
-//!    mistaken for this one), asks for `expected`, and applies each replayed batch in order with
-//!    its sequence number, until the batch before the held one has been applied;
+//!    mistaken for this one), asks for `expected - 1` — the last batch applied, which the router
+//!    judges a duplicate only when the publisher is the same process — and applies each replayed
+//!    batch in order with its sequence number, until the batch before the held one has been
+//!    applied. When the router finds that first batch is not the one it applied (the engine
+//!    restarted, e.g. during a disconnect, and its new sequence passed the old one), it clears
+//!    the endpoint and answers a gap from 0: the worker asks again from 0, applying the new
+//!    process's batches from its first;
 //! 2. gives up ([`ReplayFailure`]) when no replay endpoint is configured, when no complete answer
-//!    arrives within [`SubscriberConfig::replay_timeout_ms`], when the first replayed batch is
-//!    newer than `expected` (the publisher's buffer no longer reaches it), when the replay ends or
-//!    skips before the held batch, or when a replayed batch cannot be applied; it then calls
-//!    [`Router::resync_stream`] (the endpoint's precise entries are dropped and it counts as
-//!    stale for `index.precise.stale_recovery_ms`);
+//!    arrives within [`SubscriberConfig::replay_timeout_ms`], when the replay does not reach back
+//!    to the last batch applied ([`ReplayFailure::Unproven`]) or to `expected`
+//!    ([`ReplayFailure::TooOld`]), when the replay ends or skips before the held batch, or when a
+//!    replayed batch cannot be applied; it then calls [`Router::resync_stream`] (the endpoint's
+//!    precise entries are dropped and it counts as stale for `index.precise.stale_recovery_ms`);
 //! 3. submits the held batch again (after a resync it is accepted as a fresh start).
 //!
-//! A publisher restart (sequence back to 0 with a newer timestamp) is judged
-//! [`StreamVerdict::Reset`] by the router, which clears the endpoint's entries and applies the
-//! batch; the subscriber only counts it. A payload that does not decode is counted and reported,
-//! and the stream goes on; since the router never saw that sequence number, the next batch is a
-//! gap, whose replay brings the same undecodable bytes, so the stream is resynchronized: entries
-//! that batch would have changed are never trusted blindly.
+//! # Restarts
+//! A publisher restart whose first batch is seen with a sequence number not above the last one
+//! applied is judged by the router: [`StreamVerdict::Reset`] at 0 (endpoint cleared, batch
+//! applied; the subscriber counts it), a gap from 0 otherwise (endpoint cleared; the worker
+//! replays from 0 as above, or resyncs). The `SUB` socket is monitored for lost connections
+//! ([`SubscriberStats::disconnects`]): ZMQ reconnects by itself, and the first batch after a lost
+//! connection may come from a new process even when its number is the next one expected. So when
+//! it is in order, the worker first proves continuity by replaying from the last batch applied
+//! (as in step 1; a restart found there is replayed from 0), and resyncs when that cannot be done.
+//! A payload that does not decode is counted and reported, and the stream goes on; since the
+//! router never saw that sequence number, the next batch is a gap, whose replay brings the same
+//! undecodable bytes, so the stream is resynchronized: entries that batch would have changed are
+//! never trusted blindly.
 //!
 //! # Raw batches: forwarding
 //! A subscription can also hand out the batches it receives, for a program that forwards them
@@ -451,14 +463,17 @@ pub enum SubscriberEvent {
         /// The router's error.
         error: StateError,
     },
-    /// Batches `expected..got` are missing; recovery starts.
+    /// Batches `expected..got` are missing; recovery starts. `expected` 0: the publisher
+    /// restarted and its first batches were missed (the router cleared the endpoint).
     Gap {
         /// First missing sequence number.
         expected: u64,
         /// The sequence number received.
         got: u64,
     },
-    /// The publisher restarted; the router cleared the endpoint and applied the batch.
+    /// The publisher restarted (sequence back to 0); the router cleared the endpoint and applied
+    /// the batch. (A restart first seen at a later sequence number is a [`SubscriberEvent::Gap`]
+    /// from 0.)
     Reset {
         /// The batch's sequence number.
         seq: u64,
@@ -886,16 +901,15 @@ impl Worker {
         };
         bump(&self.counters.batches);
         let batch = Received { topic: Some(topic), seq, payload, origin: BatchOrigin::Live };
-        if self.disconnected.replace(false) {
-            if self.last_seq.get().is_some_and(|l| seq == l.wrapping_add(1)) {
-                // In order, but the connection was lost since the last batch: a restarted
-                // publisher may have reached this number again. Prove continuity first (replay
-                // from the last batch applied), or resync.
-                self.recover(seq, seq, batch);
-                return;
-            }
-            // Any other number is judged by the router: going back is a repeat or a restart,
-            // jumping ahead a gap whose replay starts at the last batch applied.
+        // In order, but the connection was lost since the last batch: a restarted publisher may
+        // have reached this number again. Prove continuity first (replay from the last batch
+        // applied), or resync. Any other number after a lost connection is judged by the router:
+        // going back is a repeat or a restart, jumping ahead a gap whose replay starts at the
+        // last batch applied.
+        let unsure = self.disconnected.replace(false);
+        if unsure && self.last_seq.get().is_some_and(|l| seq == l.wrapping_add(1)) {
+            self.recover(seq, seq, batch);
+            return;
         }
         if let Some(StreamVerdict::Gap { expected, got }) = self.apply(batch) {
             self.recover(expected, got, batch);

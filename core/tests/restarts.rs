@@ -240,7 +240,12 @@ fn restart_during_a_disconnect_whose_seq_passes_the_old_one_is_not_a_continuatio
         }
         c.publish(9, chain_batch(Prompt::New, 9, ts0 + 9.0));
         let now = c.now;
-        figure(if clock_behind { "disconnect, seq passes old, clock behind" } else { "disconnect, seq passes old" }, &r, 10, now);
+        figure(
+            if clock_behind { "disconnect, seq passes old, clock behind" } else { "disconnect, seq passes old" },
+            &r,
+            10,
+            now,
+        );
         assert_eq!(matched(&r, Prompt::Old, OLD, now), 0, "stale blocks (clock behind: {clock_behind})");
         assert_eq!(matched(&r, Prompt::New, 10, now), 40, "new blocks (clock behind: {clock_behind})");
         assert_eq!(c.resyncs, 0);
@@ -284,7 +289,8 @@ fn a_future_or_infinite_timestamp_does_not_disable_restart_detection() {
         assert_eq!(matched(&r, Prompt::New, 4, now), 16, "new blocks after ts {bad}");
         // The lag gauge reads the last applied batch's timestamp: finite.
         let text = r.metrics_text(now);
-        let lag = text.lines().find(|l| l.starts_with("kvroute_event_lag_seconds{endpoint=\"10.0.0.1:8000\"}")).unwrap();
+        let lag =
+            text.lines().find(|l| l.starts_with("kvroute_event_lag_seconds{endpoint=\"10.0.0.1:8000\"}")).unwrap();
         let v: f64 = lag.rsplit(' ').next().unwrap().parse().unwrap();
         assert!(v.is_finite(), "lag after ts {bad}: {lag}");
     }
