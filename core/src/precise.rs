@@ -59,7 +59,10 @@
 //! Each endpoint's publisher numbers its batches. See [`StreamVerdict`] for how sequence numbers
 //! are judged; an unrecoverable gap clears the endpoint and marks it stale for
 //! `index.precise.stale_recovery_ms`, during which hybrid routing uses the approximate index for
-//! it.
+//! it. A sequence number that goes back without repeating a recently applied batch is a
+//! restarted publisher: the endpoint is cleared at once, and when the batch is not the new
+//! process's first (seq > 0), the stream reports a gap from 0 and stays unhealthy until replay
+//! or a resync brings it back. Publisher timestamps are informational only (the lag gauge).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -309,26 +312,49 @@ impl EngineKeyMap {
 }
 
 /// How a batch's sequence number is judged against what the stream has seen.
+///
+/// The publisher's timestamp never decides a verdict (a restarted engine's clock may be behind,
+/// one batch may carry a future or non-finite `ts`): a sequence number that goes back is a
+/// [`StreamVerdict::Duplicate`] only when the batch provably repeats one of the last
+/// [`RECENT_BATCHES`] batches applied (same sequence number, same content and timestamp);
+/// anything else is a new publisher incarnation, whose endpoint is cleared at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "verdict")]
 pub enum StreamVerdict {
     /// In order (or the first batch seen, or unnumbered): applied.
     Applied,
-    /// Already seen (a replayed or repeated batch): ignored.
+    /// A repeat of a batch recently applied under the same sequence number: ignored.
     Duplicate,
-    /// Batches `expected .. got` are missing: NOT applied. Replay from `expected` and submit the
-    /// replayed batches (then this one again); if replay is unavailable or no longer reaches
-    /// `expected`, call the router's `resync_stream` and submit this batch again.
+    /// Batches `expected .. got` are missing: NOT applied. Replay from `expected - 1` (from 0
+    /// when `expected` is 0) and submit the replayed batches, then this one again: the batch
+    /// before `expected` was applied already, so the router judges it a duplicate when the
+    /// publisher is the same process, and a restart (this verdict with `expected` 0) when the
+    /// engine restarted in between, e.g. during a disconnect. If replay is unavailable or no
+    /// longer reaches back that far, call the router's `resync_stream` and submit this batch
+    /// again.
+    ///
+    /// `expected` 0 after a sequence number that went back: the publisher restarted and its
+    /// batches `0 .. got` were missed. The endpoint's entries were already cleared and it counts
+    /// as unhealthy until batch 0 is applied or the stream is resynchronized.
     Gap {
         /// First missing sequence number.
         expected: u64,
         /// The sequence number received.
         got: u64,
     },
-    /// The publisher restarted (sequence went back while the batch is newer than anything seen):
-    /// the endpoint's entries were cleared and the batch applied.
+    /// The publisher restarted (sequence back to 0, not a repeat): the endpoint's entries were
+    /// cleared and the batch applied.
     Reset,
 }
+
+/// How many recently applied batches per stream are remembered (sequence number and a digest of
+/// the content and timestamp) to tell a repeated batch from a restarted publisher's.
+pub const RECENT_BATCHES: usize = 64;
+
+/// Publisher timestamps (seconds) above this are not kept as the stream's latest (see
+/// [`PreciseStats::bad_timestamps`]): about the year 5138 as UNIX time, so a value in
+/// milliseconds or a far-future clock is recognised.
+pub const MAX_PUBLISHER_TS_S: f64 = 1e11;
 
 /// Per-endpoint stream state.
 #[derive(Debug, Clone, Default)]
@@ -339,6 +365,64 @@ struct Stream {
     stale_until_ms: u64,
     /// Router time of the last applied batch.
     last_applied_ms: Option<u64>,
+    /// The publisher restarted and its first batches were missed: only seq 0 is in order.
+    awaiting_start: bool,
+    /// (seq, digest) of recently applied numbered batches, at `seq % RECENT_BATCHES` (allocated
+    /// on the first one).
+    recent: Vec<(u64, u64)>,
+}
+
+impl Stream {
+    /// Whether `seq` was applied recently with this digest.
+    fn is_repeat(&self, seq: u64, digest: u64) -> bool {
+        self.recent.get(seq as usize % RECENT_BATCHES).is_some_and(|&(s, d)| s == seq && d == digest)
+    }
+
+    fn remember(&mut self, seq: u64, digest: u64) {
+        if self.recent.is_empty() {
+            self.recent = vec![(u64::MAX, 0); RECENT_BATCHES];
+        }
+        self.recent[seq as usize % RECENT_BATCHES] = (seq, digest);
+    }
+
+    /// Forget the sequence (the next batch starts the stream afresh).
+    fn forget(&mut self) {
+        self.last_seq = None;
+        self.awaiting_start = false;
+        self.recent.clear();
+    }
+}
+
+/// A digest of what identifies a published batch: its timestamp's bits and its events (kinds,
+/// media, hashes, parents, token counts). Equal for a batch delivered twice.
+fn batch_digest(batch: &EventBatch) -> u64 {
+    #[inline]
+    fn mix(h: u64, x: u64) -> u64 {
+        (h.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95)
+    }
+    let mut h = mix(0x6b76_726f_7574_6521, batch.ts.to_bits());
+    h = mix(h, batch.events.len() as u64);
+    for ev in &batch.events {
+        match ev {
+            KvEvent::BlockStored(s) => {
+                h = mix(mix(h, 1), s.medium as u64);
+                h = mix(h, s.parent_block_hash.map_or(u64::MAX, |p| p ^ 0x5555));
+                h = mix(h, s.token_ids.len() as u64);
+                h = mix(h, s.token_ids.first().map_or(0, |&t| u64::from(t)));
+                for &b in &s.block_hashes {
+                    h = mix(h, b);
+                }
+            }
+            KvEvent::BlockRemoved(r) => {
+                h = mix(mix(h, 2), r.medium as u64);
+                for &b in &r.block_hashes {
+                    h = mix(h, b);
+                }
+            }
+            KvEvent::AllBlocksCleared => h = mix(h, 3),
+        }
+    }
+    h
 }
 
 /// What applying a batch did.
@@ -380,6 +464,9 @@ pub struct PreciseStats {
     pub resets: u64,
     /// Streams resynchronized after an unrecoverable gap.
     pub resyncs: u64,
+    /// Batches applied whose publisher timestamp was not kept (not finite, negative or above
+    /// [`MAX_PUBLISHER_TS_S`]).
+    pub bad_timestamps: u64,
     /// Speculations (routed requests) not yet expired.
     pub speculative_requests: u64,
     /// Speculative (block, endpoint) memberships not yet expired.
@@ -395,7 +482,8 @@ pub struct PreciseStats {
 pub struct StreamInfo {
     /// Last sequence number applied.
     pub last_seq: Option<u64>,
-    /// Publisher timestamp (seconds) of the newest batch applied.
+    /// Publisher timestamp (seconds) of the latest applied batch whose timestamp was plausible
+    /// (finite, within `0..=`[`MAX_PUBLISHER_TS_S`]).
     pub last_publisher_ts: f64,
     /// Router time (ms) when the last batch was applied.
     pub last_applied_ms: Option<u64>,
@@ -498,10 +586,11 @@ impl KvIndex {
         }
     }
 
-    /// Whether routing may trust this endpoint's precise entries: it has delivered events and is
-    /// not recovering from an unrecoverable gap.
+    /// Whether routing may trust this endpoint's precise entries: it has delivered events, is
+    /// not recovering from an unrecoverable gap, and is not waiting for a restarted publisher's
+    /// first batches.
     pub fn healthy(&self, slot: usize, now_ms: u64) -> bool {
-        self.streams.get(slot).is_some_and(|s| s.seen_events && now_ms >= s.stale_until_ms)
+        self.streams.get(slot).is_some_and(|s| s.seen_events && !s.awaiting_start && now_ms >= s.stale_until_ms)
     }
 
     /// The event-stream state of `slot`.
@@ -536,20 +625,35 @@ impl KvIndex {
         out
     }
 
-    /// Judge and (when in order) apply one decoded batch from `slot`'s publisher.
+    /// Judge and (when in order) apply one decoded batch from `slot`'s publisher (see
+    /// [`StreamVerdict`]).
     pub fn apply(&mut self, slot: usize, batch: &EventBatch, seq: Option<u64>) -> ApplyOutcome {
         if self.streams.len() <= slot {
             self.streams.resize(slot + 1, Stream::default());
         }
         let st = &self.streams[slot];
+        let digest = seq.map(|_| batch_digest(batch));
         let verdict = match (seq, st.last_seq) {
-            (None, _) | (Some(_), None) => StreamVerdict::Applied,
+            (None, _) => StreamVerdict::Applied,
+            (Some(0), None) => StreamVerdict::Applied,
+            (Some(s), None) if st.awaiting_start => StreamVerdict::Gap { expected: 0, got: s },
+            (Some(_), None) => StreamVerdict::Applied,
             (Some(s), Some(last)) if s == last.wrapping_add(1) => StreamVerdict::Applied,
             (Some(s), Some(last)) if s <= last => {
-                if batch.ts > st.last_ts {
-                    StreamVerdict::Reset
-                } else {
+                if digest.is_some_and(|d| st.is_repeat(s, d)) {
                     StreamVerdict::Duplicate
+                } else {
+                    // Not a batch this stream applied: a new incarnation of the publisher.
+                    self.stats.resets += 1;
+                    self.blocks.clear_slot(slot);
+                    let st = &mut self.streams[slot];
+                    st.forget();
+                    if s == 0 {
+                        StreamVerdict::Reset
+                    } else {
+                        st.awaiting_start = true;
+                        StreamVerdict::Gap { expected: 0, got: s }
+                    }
                 }
             }
             (Some(s), Some(last)) => StreamVerdict::Gap { expected: last + 1, got: s },
@@ -563,17 +667,21 @@ impl KvIndex {
                 self.stats.gaps += 1;
                 return ApplyOutcome { verdict, events: 0, blocks: 0 };
             }
-            StreamVerdict::Reset => {
-                self.stats.resets += 1;
-                self.blocks.clear_slot(slot);
-            }
-            StreamVerdict::Applied => {}
+            StreamVerdict::Reset | StreamVerdict::Applied => {}
         }
         let st = &mut self.streams[slot];
-        if let Some(s) = seq {
+        if let (Some(s), Some(d)) = (seq, digest) {
             st.last_seq = Some(s);
+            st.awaiting_start = false;
+            st.remember(s, d);
         }
-        st.last_ts = st.last_ts.max(batch.ts);
+        // The latest batch's timestamp (for the lag gauge), when plausible; it never judges the
+        // stream, so a single far-future or non-finite one cannot stick.
+        if (0.0..=MAX_PUBLISHER_TS_S).contains(&batch.ts) {
+            st.last_ts = batch.ts;
+        } else {
+            self.stats.bad_timestamps += 1;
+        }
         st.seen_events = true;
         let mut blocks = 0u64;
         for ev in &batch.events {
@@ -723,7 +831,7 @@ impl KvIndex {
             self.streams.resize(slot + 1, Stream::default());
         }
         let st = &mut self.streams[slot];
-        st.last_seq = None;
+        st.forget();
         st.stale_until_ms = now_ms.saturating_add(stale_recovery_ms);
         self.stats.resyncs += 1;
     }
@@ -1006,16 +1114,17 @@ mod tests {
         assert_eq!(ix.apply(0, &b(1.0), Some(5)).verdict, StreamVerdict::Applied, "first batch starts the stream");
         assert_eq!(ix.apply(0, &b(2.0), Some(6)).verdict, StreamVerdict::Applied);
         assert_eq!(ix.apply(0, &b(2.0), Some(6)).verdict, StreamVerdict::Duplicate);
-        assert_eq!(ix.apply(0, &b(1.5), Some(3)).verdict, StreamVerdict::Duplicate, "old replayed batch");
+        assert_eq!(ix.apply(0, &b(1.0), Some(5)).verdict, StreamVerdict::Duplicate, "an applied batch replayed");
         assert_eq!(ix.apply(0, &b(3.0), Some(9)).verdict, StreamVerdict::Gap { expected: 7, got: 9 });
         // Replay fills the gap, then the held batch applies.
         assert_eq!(ix.apply(0, &b(2.5), Some(7)).verdict, StreamVerdict::Applied);
         assert_eq!(ix.apply(0, &b(2.6), Some(8)).verdict, StreamVerdict::Applied);
         assert_eq!(ix.apply(0, &b(3.0), Some(9)).verdict, StreamVerdict::Applied);
-        // Publisher restart: sequence back to 0 with a newer timestamp clears the endpoint.
+        // Publisher restart: sequence back to 0, not a repeat, clears the endpoint (even when the
+        // new process's clock is behind).
         let k = request_keys(&ix, 0..16);
         assert_eq!(matched(&ix, &k), vec![1, 0]);
-        let restart = batch(10.0, vec![stored(&[555], None, 1000, Medium::Gpu)]);
+        let restart = batch(0.5, vec![stored(&[555], None, 1000, Medium::Gpu)]);
         assert_eq!(ix.apply(0, &restart, Some(0)).verdict, StreamVerdict::Reset);
         assert_eq!(matched(&ix, &k), vec![0, 0], "cleared on restart");
         let s = ix.stats();

@@ -28,22 +28,34 @@
 //! When the router judges a batch a [`StreamVerdict::Gap`] (batches `expected..got` are
 //! missing), the batch is held and the worker:
 //! 1. opens a fresh `DEALER` (so a late answer to an earlier, timed-out request can never be
-//!    mistaken for this one), asks for `expected`, and applies each replayed batch in order with
-//!    its sequence number, until the batch before the held one has been applied;
+//!    mistaken for this one), asks for `expected - 1` — the last batch applied, which the router
+//!    judges a duplicate only when the publisher is the same process — and applies each replayed
+//!    batch in order with its sequence number, until the batch before the held one has been
+//!    applied. When the router finds that first batch is not the one it applied (the engine
+//!    restarted, e.g. during a disconnect, and its new sequence passed the old one), it clears
+//!    the endpoint and answers a gap from 0: the worker asks again from 0, applying the new
+//!    process's batches from its first;
 //! 2. gives up ([`ReplayFailure`]) when no replay endpoint is configured, when no complete answer
-//!    arrives within [`SubscriberConfig::replay_timeout_ms`], when the first replayed batch is
-//!    newer than `expected` (the publisher's buffer no longer reaches it), when the replay ends or
-//!    skips before the held batch, or when a replayed batch cannot be applied; it then calls
-//!    [`Router::resync_stream`] (the endpoint's precise entries are dropped and it counts as
-//!    stale for `index.precise.stale_recovery_ms`);
+//!    arrives within [`SubscriberConfig::replay_timeout_ms`], when the replay does not reach back
+//!    to the last batch applied ([`ReplayFailure::Unproven`]) or to `expected`
+//!    ([`ReplayFailure::TooOld`]), when the replay ends or skips before the held batch, or when a
+//!    replayed batch cannot be applied; it then calls [`Router::resync_stream`] (the endpoint's
+//!    precise entries are dropped and it counts as stale for `index.precise.stale_recovery_ms`);
 //! 3. submits the held batch again (after a resync it is accepted as a fresh start).
 //!
-//! A publisher restart (sequence back to 0 with a newer timestamp) is judged
-//! [`StreamVerdict::Reset`] by the router, which clears the endpoint's entries and applies the
-//! batch; the subscriber only counts it. A payload that does not decode is counted and reported,
-//! and the stream goes on; since the router never saw that sequence number, the next batch is a
-//! gap, whose replay brings the same undecodable bytes, so the stream is resynchronized: entries
-//! that batch would have changed are never trusted blindly.
+//! # Restarts
+//! A publisher restart whose first batch is seen with a sequence number not above the last one
+//! applied is judged by the router: [`StreamVerdict::Reset`] at 0 (endpoint cleared, batch
+//! applied; the subscriber counts it), a gap from 0 otherwise (endpoint cleared; the worker
+//! replays from 0 as above, or resyncs). The `SUB` socket is monitored for lost connections
+//! ([`SubscriberStats::disconnects`]): ZMQ reconnects by itself, and the first batch after a lost
+//! connection may come from a new process even when its number is the next one expected. So when
+//! it is in order, the worker first proves continuity by replaying from the last batch applied
+//! (as in step 1; a restart found there is replayed from 0), and resyncs when that cannot be done.
+//! A payload that does not decode is counted and reported, and the stream goes on; since the
+//! router never saw that sequence number, the next batch is a gap, whose replay brings the same
+//! undecodable bytes, so the stream is resynchronized: entries that batch would have changed are
+//! never trusted blindly.
 //!
 //! # Raw batches: forwarding
 //! A subscription can also hand out the batches it receives, for a program that forwards them
@@ -94,6 +106,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -390,6 +403,13 @@ pub enum ReplayFailure {
         /// First replayed sequence number.
         first: u64,
     },
+    /// The replay does not reach back to the last batch applied (`seq`), which proves that the
+    /// publisher did not restart since: continuity cannot be told.
+    #[error("replay starts after seq {seq}, the last batch applied: continuity unproven")]
+    Unproven {
+        /// The last sequence number applied.
+        seq: u64,
+    },
     /// The replay ended, or skipped, before the held batch.
     #[error("replay does not include seq {missing}")]
     Incomplete {
@@ -443,14 +463,17 @@ pub enum SubscriberEvent {
         /// The router's error.
         error: StateError,
     },
-    /// Batches `expected..got` are missing; recovery starts.
+    /// Batches `expected..got` are missing; recovery starts. `expected` 0: the publisher
+    /// restarted and its first batches were missed (the router cleared the endpoint).
     Gap {
         /// First missing sequence number.
         expected: u64,
         /// The sequence number received.
         got: u64,
     },
-    /// The publisher restarted; the router cleared the endpoint and applied the batch.
+    /// The publisher restarted (sequence back to 0); the router cleared the endpoint and applied
+    /// the batch. (A restart first seen at a later sequence number is a [`SubscriberEvent::Gap`]
+    /// from 0.)
     Reset {
         /// The batch's sequence number.
         seq: u64,
@@ -494,6 +517,8 @@ pub struct SubscriberStats {
     pub replay_failures: u64,
     /// Streams resynchronized through [`Router::resync_stream`].
     pub resyncs: u64,
+    /// Connections to the publisher lost (ZMQ's `ZMQ_EVENT_DISCONNECTED`; ZMQ reconnects).
+    pub disconnects: u64,
     /// Payloads that did not decode.
     pub decode_errors: u64,
     /// Messages skipped for their shape (frame count, sequence frame size).
@@ -514,6 +539,7 @@ struct Counters {
     replayed_batches: AtomicU64,
     replay_failures: AtomicU64,
     resyncs: AtomicU64,
+    disconnects: AtomicU64,
     decode_errors: AtomicU64,
     malformed: AtomicU64,
     router_errors: AtomicU64,
@@ -537,6 +563,7 @@ impl Counters {
             replayed_batches: g(&self.replayed_batches),
             replay_failures: g(&self.replay_failures),
             resyncs: g(&self.resyncs),
+            disconnects: g(&self.disconnects),
             decode_errors: g(&self.decode_errors),
             malformed: g(&self.malformed),
             router_errors: g(&self.router_errors),
@@ -618,6 +645,8 @@ impl Subscription {
             counters: counters.clone(),
             stop: stop.clone(),
             ctx: zmq::Context::new(),
+            last_seq: Cell::new(None),
+            disconnected: Cell::new(false),
         };
         let (tx, rx) = mpsc::sync_channel(1);
         let thread = std::thread::Builder::new()
@@ -689,6 +718,8 @@ enum ReplayEnd {
     Done,
     /// Stop was requested.
     Stopped,
+    /// The publisher restarted since the last batch applied: replay again from 0.
+    Restarted,
     /// Not recovered.
     Failed(ReplayFailure),
 }
@@ -730,7 +761,16 @@ struct Worker {
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
     ctx: zmq::Context,
+    /// The last sequence number the router applied from this stream (`None`: none yet, or a
+    /// fresh start is due after a resync or a restart).
+    last_seq: Cell<Option<u64>>,
+    /// The connection was lost since the last live batch: the next one may come from a
+    /// restarted publisher.
+    disconnected: Cell<bool>,
 }
+
+/// Where the `SUB` socket's monitor publishes (one context per subscription).
+const MONITOR_ENDPOINT: &str = "inproc://kvroute-zmq-sub-monitor";
 
 /// A batch as received, before the router judges it.
 #[derive(Clone, Copy)]
@@ -743,23 +783,24 @@ struct Received<'a> {
 
 impl Worker {
     fn run(self, started: &mpsc::SyncSender<Result<String, SubscribeError>>) {
-        let sub = match self.open() {
-            Ok((sub, local)) => {
+        let (sub, monitor) = match self.open() {
+            Ok((sub, monitor, local)) => {
                 let _ = started.send(Ok(local));
-                sub
+                (sub, monitor)
             }
             Err(e) => {
                 let _ = started.send(Err(e));
                 return;
             }
         };
-        self.receive(&sub);
-        // `sub` (linger 0) is closed before the context is dropped, so dropping the context
-        // does not block.
+        self.receive(&sub, &monitor);
+        // The sockets (linger 0) are closed before the context is dropped, so dropping the
+        // context does not block.
+        drop(monitor);
         drop(sub);
     }
 
-    fn open(&self) -> Result<(zmq::Socket, String), SubscribeError> {
+    fn open(&self) -> Result<(zmq::Socket, zmq::Socket, String), SubscribeError> {
         let ep = &self.cfg.endpoint;
         let err = |op: &'static str| move |source| SubscribeError::Socket { op, endpoint: ep.clone(), source };
         let sub = self.ctx.socket(zmq::SUB).map_err(err("socket"))?;
@@ -768,6 +809,11 @@ impl Worker {
             sub.set_ipv6(true).map_err(err("setsockopt"))?;
         }
         sub.set_subscribe(self.cfg.topic.as_bytes()).map_err(err("setsockopt"))?;
+        // Lost connections are how a restarted publisher shows itself before its batches do.
+        sub.monitor(MONITOR_ENDPOINT, zmq::SocketEvent::DISCONNECTED as i32).map_err(err("monitor"))?;
+        let monitor = self.ctx.socket(zmq::PAIR).map_err(err("socket"))?;
+        monitor.set_linger(0).map_err(err("setsockopt"))?;
+        monitor.connect(MONITOR_ENDPOINT).map_err(err("connect"))?;
         if self.cfg.binds() {
             sub.bind(ep).map_err(err("bind"))?;
         } else {
@@ -777,7 +823,19 @@ impl Worker {
             Ok(Ok(s)) if !s.is_empty() => s,
             _ => ep.clone(),
         };
-        Ok((sub, local))
+        Ok((sub, monitor, local))
+    }
+
+    /// Take the monitor's pending events: a lost connection marks the next live batch unsure.
+    fn check_monitor(&self, monitor: &zmq::Socket) {
+        while let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
+            // Frame 1: event number (u16) and value (u32), native byte order; frame 2: address.
+            let event = frames.first().and_then(|f| f.get(..2)).map(|b| u16::from_ne_bytes([b[0], b[1]]));
+            if event == Some(zmq::SocketEvent::DISCONNECTED as u16) {
+                bump(&self.counters.disconnects);
+                self.disconnected.set(true);
+            }
+        }
     }
 
     fn stopping(&self) -> bool {
@@ -796,7 +854,7 @@ impl Worker {
         i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
     }
 
-    fn receive(&self, sub: &zmq::Socket) {
+    fn receive(&self, sub: &zmq::Socket, monitor: &zmq::Socket) {
         while !self.stopping() {
             match sub.poll(zmq::POLLIN, self.poll_ms(None)) {
                 Ok(0) | Err(zmq::Error::EINTR) => continue,
@@ -812,7 +870,12 @@ impl Worker {
                     return;
                 }
                 match sub.recv_multipart(zmq::DONTWAIT) {
-                    Ok(frames) => self.on_message(&frames),
+                    Ok(frames) => {
+                        // Any disconnect that happened before this message was received is
+                        // queued on the monitor by now.
+                        self.check_monitor(monitor);
+                        self.on_message(&frames);
+                    }
                     Err(zmq::Error::EINTR) => continue,
                     Err(_) => break, // EAGAIN: drained
                 }
@@ -838,6 +901,16 @@ impl Worker {
         };
         bump(&self.counters.batches);
         let batch = Received { topic: Some(topic), seq, payload, origin: BatchOrigin::Live };
+        // In order, but the connection was lost since the last batch: a restarted publisher may
+        // have reached this number again. Prove continuity first (replay from the last batch
+        // applied), or resync. Any other number after a lost connection is judged by the router:
+        // going back is a repeat or a restart, jumping ahead a gap whose replay starts at the
+        // last batch applied.
+        let unsure = self.disconnected.replace(false);
+        if unsure && self.last_seq.get().is_some_and(|l| seq == l.wrapping_add(1)) {
+            self.recover(seq, seq, batch);
+            return;
+        }
         if let Some(StreamVerdict::Gap { expected, got }) = self.apply(batch) {
             self.recover(expected, got, batch);
         }
@@ -857,6 +930,12 @@ impl Worker {
         match self.router.apply_events(&self.endpoint_id, b.payload, Some(seq), now) {
             Ok(out) => {
                 match out.verdict {
+                    StreamVerdict::Applied | StreamVerdict::Reset => self.last_seq.set(Some(seq)),
+                    // A restart whose first batches were missed: the router cleared the stream.
+                    StreamVerdict::Gap { expected: 0, .. } => self.last_seq.set(None),
+                    StreamVerdict::Gap { .. } | StreamVerdict::Duplicate => {}
+                }
+                match out.verdict {
                     StreamVerdict::Applied => {
                         bump(&self.counters.applied);
                         self.sink(b, out.verdict);
@@ -867,6 +946,8 @@ impl Worker {
                         self.notify(SubscriberEvent::Reset { seq });
                         self.sink(b, out.verdict);
                     }
+                    // The overlap a replay starts with is a continuity proof, not a duplicate.
+                    StreamVerdict::Duplicate if b.origin == BatchOrigin::Replay => {}
                     StreamVerdict::Duplicate => bump(&self.counters.duplicates),
                     StreamVerdict::Gap { expected, got } => {
                         bump(&self.counters.gaps);
@@ -889,28 +970,39 @@ impl Worker {
     }
 
     /// Batches `expected..held` are missing: replay them (or resync), then submit the held one.
+    /// The replay starts at `expected - 1`, the last batch applied, which the router judges a
+    /// duplicate only when the publisher did not restart in between; when it did, the router
+    /// reports a gap from 0 and the replay starts again there.
     fn recover(&self, expected: u64, held: u64, batch: Received<'_>) {
-        let end = match &self.cfg.replay_endpoint {
-            None => ReplayEnd::Failed(ReplayFailure::Unavailable),
+        let failure = match &self.cfg.replay_endpoint {
+            None => Some(ReplayFailure::Unavailable),
             Some(ep) => {
                 bump(&self.counters.replays);
-                self.replay(ep, expected, held)
+                let mut end = self.replay(ep, expected, held);
+                if matches!(end, ReplayEnd::Restarted) {
+                    bump(&self.counters.replays);
+                    end = self.replay(ep, 0, held);
+                }
+                match end {
+                    ReplayEnd::Done => {
+                        // Counted in the router's metrics too (its `metrics_text`).
+                        let _ = self.router.record_replay(&self.endpoint_id, true);
+                        None
+                    }
+                    ReplayEnd::Stopped => return,
+                    // Restarted again while recovering from a restart: give up.
+                    ReplayEnd::Restarted => Some(ReplayFailure::Unusable { seq: 0 }),
+                    ReplayEnd::Failed(reason) => Some(reason),
+                }
             }
         };
-        match end {
-            ReplayEnd::Done => {
-                // Counted in the router's metrics too (its `metrics_text`).
-                let _ = self.router.record_replay(&self.endpoint_id, true);
+        if let Some(reason) = failure {
+            if reason != ReplayFailure::Unavailable {
+                bump(&self.counters.replay_failures);
+                let _ = self.router.record_replay(&self.endpoint_id, false);
             }
-            ReplayEnd::Stopped => return,
-            ReplayEnd::Failed(reason) => {
-                if reason != ReplayFailure::Unavailable {
-                    bump(&self.counters.replay_failures);
-                    let _ = self.router.record_replay(&self.endpoint_id, false);
-                }
-                self.notify(SubscriberEvent::ReplayFailed { expected, reason });
-                self.resync(expected, held);
-            }
+            self.notify(SubscriberEvent::ReplayFailed { expected, reason });
+            self.resync(expected, held);
         }
         if let Some(StreamVerdict::Gap { expected, got }) = self.apply(batch) {
             // The stream moved under us (e.g. another resync): accept the batch as a fresh start.
@@ -922,6 +1014,7 @@ impl Worker {
     fn resync(&self, expected: u64, got: u64) {
         match self.router.resync_stream(&self.endpoint_id, (self.clock)()) {
             Ok(()) => {
+                self.last_seq.set(None);
                 bump(&self.counters.resyncs);
                 self.notify(SubscriberEvent::Resync { expected, got });
             }
@@ -932,8 +1025,10 @@ impl Worker {
         }
     }
 
-    /// Ask `ep` for the batches from `expected` on and apply them up to (not including) `held`.
+    /// Ask `ep` for the batches from `expected - 1` (the last applied; from 0 when `expected` is
+    /// 0) on and apply them up to (not including) `held`.
     fn replay(&self, ep: &str, expected: u64, held: u64) -> ReplayEnd {
+        let from = expected.saturating_sub(1);
         let sock_err = |op| move |error| ReplayEnd::Failed(ReplayFailure::Socket { op, error });
         // A fresh DEALER per replay: an answer to an earlier, abandoned request cannot reach
         // this one (closing with linger 0 discards whatever is still queued).
@@ -947,7 +1042,7 @@ impl Worker {
                 dealer.set_ipv6(true).map_err(sock_err("setsockopt"))?;
             }
             dealer.connect(ep).map_err(sock_err("connect"))?;
-            let start = expected.to_be_bytes();
+            let start = from.to_be_bytes();
             dealer.send_multipart([&[][..], &start[..]], zmq::DONTWAIT).map_err(sock_err("send"))
         })();
         if let Err(end) = setup {
@@ -955,7 +1050,7 @@ impl Worker {
         }
         let timeout = Duration::from_millis(self.cfg.replay_timeout_ms);
         let deadline = Instant::now() + timeout;
-        let mut next = expected;
+        let mut next = from;
         let mut received = 0u64;
         loop {
             if self.stopping() {
@@ -992,7 +1087,9 @@ impl Worker {
                 continue;
             }
             if seq > next {
-                let failure = if next == expected {
+                let failure = if next == from && from < expected && seq == expected {
+                    ReplayFailure::Unproven { seq: from }
+                } else if next == from {
                     ReplayFailure::TooOld { expected, first: seq }
                 } else {
                     ReplayFailure::Incomplete { missing: next }
@@ -1002,6 +1099,8 @@ impl Worker {
             match self.apply(Received { topic, seq, payload, origin: BatchOrigin::Replay }) {
                 Some(StreamVerdict::Applied | StreamVerdict::Reset) => bump(&self.counters.replayed_batches),
                 Some(StreamVerdict::Duplicate) => {}
+                // The overlap revealed a restarted publisher (the router cleared the endpoint).
+                Some(StreamVerdict::Gap { expected: 0, .. }) if expected > 0 => return ReplayEnd::Restarted,
                 Some(StreamVerdict::Gap { .. }) | None => {
                     return ReplayEnd::Failed(ReplayFailure::Unusable { seq });
                 }

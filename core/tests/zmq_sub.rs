@@ -79,11 +79,17 @@ enum Encoding {
 /// Batch `k` of one prompt's chain: `BlockStored` of 4 blocks of 16 tokens (tokens `64k..64k+64`,
 /// engine hashes `1000 + 4k + i`, parent = the previous batch's last block), with timestamp `ts`.
 fn chain_batch(k: u32, ts: f64, enc: Encoding) -> Vec<u8> {
+    chain_batch_at(0, k, ts, enc)
+}
+
+/// [`chain_batch`] of another prompt: tokens and engine hashes moved up by `offset`.
+fn chain_batch_at(offset: u32, k: u32, ts: f64, enc: Encoding) -> Vec<u8> {
     use rmp::encode::*;
     let n = BLOCKS_PER_BATCH;
-    let hashes: Vec<u64> = (0..n).map(|i| 1000 + u64::from(n * k + i)).collect();
-    let parent = (k > 0).then(|| 1000 + u64::from(n * k) - 1);
-    let first = 16 * n * k;
+    let base = 1000 + u64::from(offset);
+    let hashes: Vec<u64> = (0..n).map(|i| base + u64::from(n * k + i)).collect();
+    let parent = (k > 0).then(|| base + u64::from(n * k) - 1);
+    let first = offset + 16 * n * k;
     let mut b = Vec::new();
     write_array_len(&mut b, 3).unwrap();
     write_f64(&mut b, ts).unwrap();
@@ -327,6 +333,14 @@ impl Publisher {
 
     /// The engine restarts: a new socket on the same address, sequence from 0, empty buffer.
     fn restart(&mut self) {
+        self.reconnect();
+        self.next_seq = 0;
+        self.buffer.lock().unwrap().clear();
+    }
+
+    /// The connection drops and comes back (a new socket on the same address), the same
+    /// process: sequence and replay buffer go on.
+    fn reconnect(&mut self) {
         let ep = self.endpoint();
         self.sock = Self::xpub(&self.ctx); // the old socket is closed here
         let deadline = Instant::now() + WAIT;
@@ -334,8 +348,6 @@ impl Publisher {
             assert!(Instant::now() < deadline, "rebinding {ep}: {e}");
             std::thread::sleep(Duration::from_millis(10));
         }
-        self.next_seq = 0;
-        self.buffer.lock().unwrap().clear();
         self.wait_subscribed();
     }
 }
@@ -570,11 +582,18 @@ fn replay_too_old_resyncs() {
     let stats = stop(sub);
     assert_eq!((stats.gaps, stats.replays, stats.replay_failures, stats.replayed_batches), (1, 1, 1, 0));
     let seen = seen.lock().unwrap().clone();
+    // Like vLLM, the publisher sends batch 4 before it buffers it: a replay request served in
+    // between finds 2 and 3 in the buffer, one served after it 3 and 4.
+    let first = match seen.get(1) {
+        Some(SubscriberEvent::ReplayFailed { reason: ReplayFailure::TooOld { first, .. }, .. }) => *first,
+        other => panic!("{other:?}"),
+    };
+    assert!((2..=3).contains(&first), "{seen:?}");
     assert_eq!(
         seen,
         vec![
             SubscriberEvent::Gap { expected: 1, got: 4 },
-            SubscriberEvent::ReplayFailed { expected: 1, reason: ReplayFailure::TooOld { expected: 1, first: 3 } },
+            SubscriberEvent::ReplayFailed { expected: 1, reason: ReplayFailure::TooOld { expected: 1, first } },
             SubscriberEvent::Resync { expected: 1, got: 4 },
         ]
     );
@@ -965,4 +984,112 @@ fn batch_sink_learns_of_a_resync_before_the_fresh_start_and_of_a_reset_with_its_
             },
         ]
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// restarts during a disconnect
+// ---------------------------------------------------------------------------------------------
+
+/// Token offset of the restarted engine's prompt (its blocks differ from the dead engine's).
+const NEW: u32 = 100_000;
+
+/// Blocks of the prompt at `offset` (its first `batches` batches) the router matches on A.
+fn matched_at(r: &Router, offset: u32, batches: u32, clock: &Clock) -> u32 {
+    let ids: Vec<u32> = (offset..offset + 16 * BLOCKS_PER_BATCH * batches).collect();
+    let body = serde_json::json!({"model": "m", "prompt": ids, "max_tokens": 300}).to_string();
+    matched(&r.route_http(body.as_bytes(), [("x-request-id", "t")], clock()).unwrap(), A)
+}
+
+/// The dead engine publishes batches 0..3 of prompt 0 (12 blocks), then restarts while the
+/// subscriber is disconnected and publishes batches of prompt `NEW`, the first `lost` of them
+/// never seen live (still in its replay buffer), then one more live. Returns (stale blocks of
+/// the dead engine, blocks of the new one, stats).
+fn restart_during_disconnect(replay: bool, lost: u32) -> (u32, u32, SubscriberStats, Arc<Router>, Clock) {
+    let (_, clock) = test_clock();
+    let r = router(&clock);
+    let mut publisher = Publisher::bind(replay.then_some(ReplayFormat::V026));
+    let mut cfg = config(&publisher.endpoint());
+    cfg.replay_endpoint = replay.then(|| publisher.replay_endpoint());
+    let (sub, _) = start(&r, cfg, &clock);
+    publisher.wait_subscribed();
+    for p in chain(3, Encoding::Map) {
+        publisher.publish(&p);
+    }
+    wait_for(&sub, "3 applied batches", |s| s.applied == 3);
+    assert_eq!(matched_at(&r, 0, 3, &clock), 12);
+    publisher.restart();
+    for k in 0..lost {
+        publisher.lose(&chain_batch_at(NEW, k, 100.0 + f64::from(k), Encoding::Map));
+    }
+    publisher.publish(&chain_batch_at(NEW, lost, 100.0 + f64::from(lost), Encoding::Map));
+    // Recovered: the new batches replayed and the live one applied, or a resync and the live one.
+    let done = |s: &SubscriberStats| {
+        if replay {
+            s.applied == 3 + u64::from(lost) + 1
+        } else {
+            s.resyncs == 1 && s.applied == 4
+        }
+    };
+    wait_for(&sub, "the live batch after the restart", done);
+    let stats = stop(sub);
+    let (stale, new) = (matched_at(&r, 0, 3, &clock), matched_at(&r, NEW, lost + 1, &clock));
+    eprintln!("FIGURE zmq restart during disconnect (replay {replay}, first live seq {lost}): stale blocks {stale}, new-incarnation blocks {new}/{}", (lost + 1) * BLOCKS_PER_BATCH);
+    (stale, new, stats, r, clock)
+}
+
+#[test]
+fn restart_during_a_disconnect_whose_seq_passes_the_old_one_replays_the_new_incarnation() {
+    // Old last seq 2; the new engine's first live batch is 5: a gap whose replay starts at 2,
+    // where the new engine's batch differs from the one applied: a restart, replayed from 0.
+    let (stale, new, stats, r, _) = restart_during_disconnect(true, 5);
+    assert_eq!(stale, 0, "no block of the dead incarnation is matched");
+    assert_eq!(new, 24, "the new incarnation's batches 0..=5 are indexed");
+    assert_eq!((stats.disconnects, stats.gaps, stats.replays, stats.resyncs), (1, 2, 2, 0), "{stats:?}");
+    assert!(healthy(&r, A));
+}
+
+#[test]
+fn restart_during_a_disconnect_that_looks_like_a_continuation_is_caught() {
+    // Old last seq 2; the new engine's first live batch is 3, in order: only the lost
+    // connection says it may be another process. Replay from 2 shows it is.
+    let (stale, new, stats, r, _) = restart_during_disconnect(true, 3);
+    assert_eq!(stale, 0, "no block of the dead incarnation is matched");
+    assert_eq!(new, 16, "the new incarnation's batches 0..=3 are indexed");
+    assert_eq!((stats.disconnects, stats.replays, stats.resyncs), (1, 2, 0), "{stats:?}");
+    assert!(healthy(&r, A));
+}
+
+#[test]
+fn restart_during_a_disconnect_without_replay_resyncs() {
+    // Without a replay socket continuity cannot be proven: resync rather than keep the blocks.
+    let (stale, _, stats, r, _) = restart_during_disconnect(false, 3);
+    assert_eq!(stale, 0, "no block of the dead incarnation is matched");
+    assert_eq!((stats.disconnects, stats.resyncs), (1, 1), "{stats:?}");
+    assert!(!healthy(&r, A), "stale for the recovery window");
+}
+
+#[test]
+fn a_lost_connection_to_the_same_publisher_keeps_its_blocks() {
+    let (_, clock) = test_clock();
+    let r = router(&clock);
+    let mut publisher = Publisher::bind(Some(ReplayFormat::V026));
+    let mut cfg = config(&publisher.endpoint());
+    cfg.replay_endpoint = Some(publisher.replay_endpoint());
+    let (sub, seen) = start(&r, cfg, &clock);
+    publisher.wait_subscribed();
+    let batches = chain(4, Encoding::Map);
+    for p in &batches[..3] {
+        publisher.publish(p);
+    }
+    wait_for(&sub, "3 applied batches", |s| s.applied == 3);
+    publisher.reconnect();
+    publisher.publish(&batches[3]);
+    wait_for(&sub, "the batch after the reconnect", |s| s.applied == 4);
+    let stats = stop(sub);
+    // Replay from seq 2 proved the same process: nothing cleared, nothing stale.
+    assert_eq!((stats.disconnects, stats.replays, stats.resyncs, stats.duplicates), (1, 1, 0, 0), "{stats:?}");
+    assert!(seen.lock().unwrap().is_empty(), "{:?}", seen.lock().unwrap());
+    assert_eq!(matched_at(&r, 0, 4, &clock), 16);
+    assert!(healthy(&r, A));
+    assert_eq!(r.stats().precise.resets, 0);
 }

@@ -165,7 +165,9 @@ typedef struct kvroute_header {
 
 // What applying one KV-event batch did.
 typedef struct kvroute_apply_outcome {
-    // The stream verdict (`KVROUTE_VERDICT_*`); only APPLIED and RESET change the index.
+    // The stream verdict (`KVROUTE_VERDICT_*`); APPLIED and RESET change the index, and a GAP
+    // with `expected` 0 is a restarted engine whose first batches were missed (the endpoint was
+    // cleared). On a GAP, replay from `expected - 1` (from 0 when `expected` is 0) or resync.
     kvroute_verdict verdict;
     // Events applied.
     uint32_t events;

@@ -327,8 +327,10 @@ impl Decision {
 /// What applying one KV-event batch did.
 #[pyclass(frozen, get_all, module = "kvroute", name = "ApplyOutcome")]
 pub(crate) struct ApplyOutcome {
-    /// `"applied"`, `"duplicate"`, `"gap"` or `"reset"` (only applied and reset change the
-    /// index; on a gap, replay from `expected` or call `resync_stream`, then resubmit).
+    /// `"applied"`, `"duplicate"`, `"gap"` or `"reset"` (applied and reset change the index; on
+    /// a gap, replay from `expected - 1`, or from 0 when `expected` is 0, or call
+    /// `resync_stream`, then resubmit; a gap from 0 is a restarted engine whose first batches
+    /// were missed: the endpoint was already cleared).
     verdict: String,
     /// First missing sequence number (gap only).
     expected: Option<u64>,
