@@ -29,6 +29,13 @@ pub const DEFAULT_EVENT_BUFFER_STEPS: usize = 10_000;
 pub const DEFAULT_EVENT_HWM: i32 = 100_000;
 /// Default largest accepted request body, bytes.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
+/// Default bound on reading a request's headers (and on an idle keep-alive connection waiting
+/// for its next request), milliseconds.
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// Default bound on reading a whole request body, milliseconds.
+pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 60_000;
+/// Default limit of open HTTP connections.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// Default `max_tokens` of a completion request that gives none (OpenAI's default).
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 /// Default bound on one prefill/decode KV transfer (remote prefill + transfer), milliseconds.
@@ -318,6 +325,15 @@ pub struct WorkerConfig {
     pub cuda_device: usize,
     /// Largest accepted request body, bytes.
     pub max_body_bytes: usize,
+    /// Bound on reading a request's headers, milliseconds, counted from the connection's accept
+    /// (or from the end of its previous response): the connection is closed when it passes.
+    pub header_read_timeout_ms: u64,
+    /// Bound on reading a whole request body, milliseconds, counted from the end of its headers:
+    /// when it passes the request gets 408 and the connection is closed.
+    pub body_read_timeout_ms: u64,
+    /// Open HTTP connections at most; a connection accepted beyond it gets a 503 (best effort)
+    /// and is closed at once.
+    pub max_connections: usize,
     /// `max_tokens` of requests that give none.
     pub default_max_tokens: u32,
 }
@@ -343,6 +359,9 @@ impl Default for WorkerConfig {
             backend: BackendKind::Cpu,
             cuda_device: 0,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT_MS,
+            body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             default_max_tokens: DEFAULT_MAX_TOKENS,
         }
     }
@@ -392,8 +411,17 @@ impl WorkerConfig {
         if self.default_max_tokens == 0 {
             return bad("default_max_tokens", "must be at least 1".into());
         }
-        if self.kv_transfer_timeout_ms == 0 {
-            return bad("kv_transfer_timeout_ms", "must be at least 1".into());
+        for (field, v) in [
+            ("kv_transfer_timeout_ms", self.kv_transfer_timeout_ms),
+            ("header_read_timeout_ms", self.header_read_timeout_ms),
+            ("body_read_timeout_ms", self.body_read_timeout_ms),
+        ] {
+            if v == 0 {
+                return bad(field, "must be at least 1".into());
+            }
+        }
+        if self.max_connections == 0 {
+            return bad("max_connections", "must be at least 1".into());
         }
         let ev = &self.kv_events;
         for (field, ep) in [("kv_events.endpoint", &ev.endpoint), ("kv_events.replay_endpoint", &ev.replay_endpoint)] {
@@ -453,6 +481,12 @@ mod tests {
         let mut c = WorkerConfig::default();
         c.kv_events.endpoint = Some("localhost:5557".into());
         assert_eq!(c.validate().unwrap_err().field, "kv_events.endpoint");
+        let c = WorkerConfig { header_read_timeout_ms: 0, ..WorkerConfig::default() };
+        assert_eq!(c.validate().unwrap_err().field, "header_read_timeout_ms");
+        let c = WorkerConfig { body_read_timeout_ms: 0, ..WorkerConfig::default() };
+        assert_eq!(c.validate().unwrap_err().field, "body_read_timeout_ms");
+        let c = WorkerConfig { max_connections: 0, ..WorkerConfig::default() };
+        assert_eq!(c.validate().unwrap_err().field, "max_connections");
     }
 
     #[test]

@@ -52,7 +52,6 @@ pub mod tokenizer;
 pub mod transfer;
 pub mod transfer_check;
 
-use std::future::IntoFuture as _;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -285,9 +284,9 @@ pub fn spawn(cfg: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
                 };
                 tokio::spawn(tserver.serve(kv));
                 let _ = up_tx.send(Ok(()));
-                let serve = axum::serve(http, server::app(state));
+                let app = server::app(state.clone());
                 tokio::select! {
-                    _ = serve.into_future() => {}
+                    () = server::serve(http, app, &state.cfg) => {}
                     _ = stop_rx => {}
                 }
             });

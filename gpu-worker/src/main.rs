@@ -129,6 +129,16 @@ struct ServeArgs {
     /// Largest accepted request body, bytes.
     #[arg(long, default_value_t = config::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
+    /// Bound on reading a request's headers (and on an idle keep-alive connection), milliseconds;
+    /// the connection is closed when it passes.
+    #[arg(long, default_value_t = config::DEFAULT_HEADER_READ_TIMEOUT_MS)]
+    header_read_timeout_ms: u64,
+    /// Bound on reading a whole request body, milliseconds (then 408 and the connection closes).
+    #[arg(long, default_value_t = config::DEFAULT_BODY_READ_TIMEOUT_MS)]
+    body_read_timeout_ms: u64,
+    /// Open HTTP connections at most; beyond it a new connection gets 503 and is closed.
+    #[arg(long, default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
     /// `max_tokens` of requests that give none.
     #[arg(long, default_value_t = config::DEFAULT_MAX_TOKENS)]
     default_max_tokens: u32,
@@ -173,6 +183,9 @@ impl ServeArgs {
             backend: self.backend,
             cuda_device: self.cuda_device,
             max_body_bytes: self.max_body_bytes,
+            header_read_timeout_ms: self.header_read_timeout_ms,
+            body_read_timeout_ms: self.body_read_timeout_ms,
+            max_connections: self.max_connections,
             default_max_tokens: self.default_max_tokens,
         }
     }

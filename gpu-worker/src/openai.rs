@@ -35,6 +35,7 @@ impl ApiError {
             400 => "BadRequestError",
             404 => "NotFoundError",
             405 => "MethodNotAllowedError",
+            408 => "RequestTimeoutError",
             409 => "ConflictError",
             413 => "RequestEntityTooLargeError",
             503 => "ServiceUnavailableError",

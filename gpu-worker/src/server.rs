@@ -176,6 +176,57 @@ async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
     }
 }
 
+/// Accept HTTP/1 connections on `listener` and serve `app` on each, with the bounds of `cfg`:
+/// a request's headers must arrive within `header_read_timeout_ms` of the accept (or of the end
+/// of the previous response on a keep-alive connection), else hyper closes the connection; at
+/// most `max_connections` are open at once, a connection accepted beyond that gets a best-effort
+/// 503 (one non-blocking write) and is closed at once. The body bound is [`read_body`]'s.
+pub(crate) async fn serve(listener: tokio::net::TcpListener, app: axum::Router, cfg: &WorkerConfig) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
+    let header_timeout = Duration::from_millis(cfg.header_read_timeout_ms);
+    let busy = {
+        let body = ApiError::status(503, format!("the worker has {} connections open", cfg.max_connections)).body();
+        let body = body.to_string();
+        format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            // Out of file descriptors, or a connection reset before its accept: retry shortly.
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            // One write on the non-blocking socket (a fresh send buffer takes it whole), no wait.
+            if let Ok(mut s) = stream.into_std() {
+                let _ = std::io::Write::write(&mut s, busy.as_bytes());
+            }
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            // Errors (the client went away, a header timeout, a malformed request) end just
+            // this connection.
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+}
+
+/// Read a request body: at most `max_body_bytes` (else 413), all of it within
+/// `body_read_timeout_ms` of the handler's start (else 408; the connection is then closed, its
+/// unread rest is never read).
 async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let limit = st.cfg.max_body_bytes;
     let too_large = || ApiError::status(413, format!("the request body exceeds {limit} bytes"));
@@ -184,7 +235,11 @@ async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Byt
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    axum::body::to_bytes(body, limit).await.map_err(|_| too_large())
+    let bound = st.cfg.body_read_timeout_ms;
+    match tokio::time::timeout(Duration::from_millis(bound), axum::body::to_bytes(body, limit)).await {
+        Ok(read) => read.map_err(|_| too_large()),
+        Err(_) => Err(ApiError::status(408, format!("the request body did not arrive within {bound} ms"))),
+    }
 }
 
 async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
