@@ -2,7 +2,7 @@
 # Runs every kvroute test. Installs what it needs: the wasm32-wasip1 target, rustfmt and clippy,
 # Debian's libzmq (for the `zmq` feature), and a Python virtual environment (py/.venv) with
 # pinned maturin, pytest and mypy for the `kvroute` wheel; the part scripts it calls at the end
-# (scripts/test-{ffi,wasm,worker,fuzz}.sh) install Go, valgrind and cargo-fuzz the same way.
+# (scripts/test-{ffi,wasm,worker,fuzz}.sh) install Go and valgrind the same way.
 # Usage: ./scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,7 +88,7 @@ step "Envoy filter (wasm-filter/): kvroute_filter.wasm, wasmtime proxy-wasm host
 step "reference worker (gpu-worker/): HTTP API, KV events, metrics, KV transfer, demo"
 ./scripts/test-worker.sh
 
-step "fuzz smoke: every cargo-fuzz target of core/fuzz for a few seconds (installs cargo-fuzz if missing)"
+step "fuzz smoke: every libFuzzer target of core/fuzz for a few seconds"
 ./scripts/test-fuzz.sh
 
 step "all tests passed"
