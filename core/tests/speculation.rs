@@ -110,7 +110,7 @@ fn a_far_future_expiry_from_another_instance_is_held_to_the_ttl() {
     let prompt = body(0, 512);
     let d = a.route_http(prompt.as_bytes(), [("x-request-id", "r1")], 10).unwrap();
     let target = d.endpoint.clone().unwrap();
-    let mut e = d.effect.clone().unwrap().as_ref().clone();
+    let mut e = d.effect.unwrap().as_ref().clone();
     // The other instance's clock (or a bug) puts the expiry hours ahead.
     e.speculative_expires_ms = 10 + 10 * 3_600_000;
     b.apply_effect(&e).unwrap();
