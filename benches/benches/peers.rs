@@ -349,7 +349,7 @@ fn kvroute_router(inp: &Inputs, runs: usize) -> Row {
     drop(empty);
     let st = r.stats().precise;
     assert_eq!(st.index.memberships, wl.memberships(), "the router's precise index holds every membership");
-    let self_reported = Some(st.index.memory_bytes + st.map_memory_bytes);
+    let self_reported = Some(st.memory_bytes());
     Row {
         name: "kvroute KvIndex via Router::apply_batch (engine keys)",
         peer: false,

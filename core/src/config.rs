@@ -165,7 +165,11 @@ pub struct PreciseConfig {
     /// Budget per endpoint, bytes, charged [`NOMINAL_BYTES_PER_MEMBERSHIP`] per membership
     /// (protects memory if removal events are lost; engines normally report their evictions).
     pub capacity_bytes_per_endpoint: u64,
-    /// Dual keys: engine blocks remembered in the engine-key → request-key map.
+    /// Dual keys: engine blocks remembered per endpoint in its engine-key → request-key map (each
+    /// endpoint's publisher has its own map, so one publisher's blocks never evict another's).
+    /// About 25–50 heap bytes per block, reported in the precise index's memory. The default
+    /// names as many engine blocks as the default `capacity_bytes_per_endpoint` holds index
+    /// blocks (262,144 memberships).
     pub key_map_capacity: usize,
     /// After an unrecoverable gap, how long an endpoint is treated as stale (hybrid mode routes
     /// it with the approximate index meanwhile), milliseconds.
@@ -190,7 +194,7 @@ impl Default for PreciseConfig {
             engine_block_tokens: 16,
             index_block_tokens: 16,
             capacity_bytes_per_endpoint: 4 << 20,
-            key_map_capacity: 4_000_000,
+            key_map_capacity: 262_144,
             stale_recovery_ms: 30_000,
         }
     }

@@ -54,6 +54,7 @@ pub mod precise;
 pub mod request;
 pub mod router;
 pub mod score;
+mod speculation;
 #[cfg(feature = "tokenizer")]
 pub mod tokenize;
 #[cfg(feature = "zmq")]

@@ -64,7 +64,7 @@
 //! process's first (seq > 0), the stream reports a gap from 0 and stays unhealthy until replay
 //! or a resync brings it back. Publisher timestamps are informational only (the lag gauge).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::Serialize;
@@ -75,6 +75,7 @@ use crate::events::{BlockStored, EventBatch, KvEvent, Medium};
 use crate::hashing::{BlockKey, DualKeyHashing, RequestKeys};
 use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use crate::request::{Prompt, RouteRequest};
+use crate::speculation::{SpecQueue, Speculation};
 
 /// How a request's precise keys are computed (one of the two key schemes).
 #[derive(Debug, Clone)]
@@ -222,6 +223,12 @@ fn spec_tick(expires_ms: u64) -> u32 {
     ((expires_ms / 16) & 0x7fff) as u32
 }
 
+/// Bytes a speculative membership is charged against the byte budget: most are the only holder
+/// of a new key, a 12-byte bucket at the table's lowest load (0.7: 17.1 bytes), which the nominal
+/// 16 bytes of a confirmed membership (mostly sharing keys) do not cover; rounded up for the
+/// table's fixed part.
+const SPECULATIVE_BYTES_PER_MEMBERSHIP: u64 = 20;
+
 /// Keys are already hashes: mix them once and use the result.
 #[derive(Default)]
 struct KeyHasher(u64);
@@ -264,7 +271,7 @@ impl ReqKeys {
     }
 }
 
-/// Engine key → request keys, bounded by two generations: when the current map reaches half the
+/// One endpoint's engine key → request keys, bounded by two generations: when the current map reaches half the
 /// capacity it becomes the previous one (the older previous one is dropped); a hit in the previous
 /// map moves the entry forward. Memory stays below `capacity` entries; recently used engine blocks
 /// are never forgotten first.
@@ -304,11 +311,25 @@ impl EngineKeyMap {
         (self.cur.capacity() + self.prev.capacity()) * entry
     }
 
-    #[cfg(test)]
     fn clear(&mut self) {
         self.cur = KeyMap::default();
         self.prev = KeyMap::default();
     }
+}
+
+/// Withdraw one speculation's memberships, unless its slot was given to another endpoint since.
+fn withdraw(blocks: &mut PrefixIndex<ExactBucket>, epochs: &[u32], s: &Speculation) {
+    if epochs.get(s.slot as usize).copied().unwrap_or(0) == s.epoch {
+        blocks.unspeculate(&s.keys, s.slot as usize, s.tick);
+    }
+}
+
+/// `slot`'s engine-key map (created on first use).
+fn slot_map(maps: &mut Vec<EngineKeyMap>, slot: usize, capacity: usize) -> &mut EngineKeyMap {
+    if maps.len() <= slot {
+        maps.resize_with(slot + 1, || EngineKeyMap::new(capacity));
+    }
+    &mut maps[slot]
 }
 
 /// How a batch's sequence number is judged against what the stream has seen.
@@ -441,10 +462,15 @@ pub struct ApplyOutcome {
 pub struct PreciseStats {
     /// The block store.
     pub index: IndexStats,
-    /// Engine blocks in the engine-key → request-key map.
+    /// Engine blocks in the engine-key → request-key maps (one per endpoint).
     pub mapped_engine_blocks: u64,
-    /// Heap bytes of that map.
+    /// Heap bytes of those maps.
     pub map_memory_bytes: u64,
+    /// Heap bytes of the speculation records (the deadline wheel, the records and their keys;
+    /// the speculative memberships themselves are in `index.memory_bytes`).
+    pub speculation_memory_bytes: u64,
+    /// Speculations withdrawn before their deadline to keep the index within its byte budget.
+    pub speculation_evictions: u64,
     /// Batches applied.
     pub batches: u64,
     /// Blocks stored.
@@ -477,6 +503,13 @@ pub struct PreciseStats {
     pub replay_failures: u64,
 }
 
+impl PreciseStats {
+    /// Heap bytes of the whole precise index: block store, engine-key maps and speculation.
+    pub fn memory_bytes(&self) -> u64 {
+        self.index.memory_bytes + self.map_memory_bytes + self.speculation_memory_bytes
+    }
+}
+
 /// Event-stream state of one endpoint, for metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct StreamInfo {
@@ -491,22 +524,20 @@ pub struct StreamInfo {
     pub healthy: bool,
 }
 
-#[derive(Debug)]
-struct Speculation {
-    expires_ms: u64,
-    slot: usize,
-    incarnation: u32,
-    keys: Box<[BlockKey]>,
-}
-
 /// The precise index (see the module docs). Slots are the endpoint table's.
 pub struct KvIndex {
     blocks: PrefixIndex<ExactBucket>,
     scheme: KeyScheme,
     hashing: DualKeyHashing,
     engine_block_tokens: u32,
-    map: EngineKeyMap,
-    speculation: VecDeque<Speculation>,
+    /// Engine-key maps per endpoint slot: one publisher's blocks never evict another's.
+    maps: Vec<EngineKeyMap>,
+    /// Engine blocks each slot's map remembers (`index.precise.key_map_capacity`).
+    map_capacity: usize,
+    speculation: SpecQueue,
+    /// Per slot, bumped when the slot is activated or retired (a speculation made for an earlier
+    /// holder withdraws nothing).
+    epochs: Vec<u32>,
     streams: Vec<Stream>,
     stats: PreciseStats,
     scratch_keys: Vec<BlockKey>,
@@ -528,8 +559,10 @@ impl KvIndex {
             scheme: p.keys,
             hashing: DualKeyHashing { block_tokens: p.index_block_tokens },
             engine_block_tokens: p.engine_block_tokens,
-            map: EngineKeyMap::new(p.key_map_capacity),
-            speculation: VecDeque::new(),
+            maps: Vec::new(),
+            map_capacity: p.key_map_capacity,
+            speculation: SpecQueue::new(cfg.index.speculative_ttl_ms),
+            epochs: Vec::new(),
             streams: Vec::new(),
             stats: PreciseStats::default(),
             scratch_keys: Vec::new(),
@@ -549,17 +582,29 @@ impl KvIndex {
         self.scheme = p.keys;
         self.hashing = DualKeyHashing { block_tokens: p.index_block_tokens };
         self.engine_block_tokens = p.engine_block_tokens;
-        self.map = EngineKeyMap::new(p.key_map_capacity);
+        self.maps.clear();
+        self.map_capacity = p.key_map_capacity;
         self.speculation.clear();
+        self.speculation.set_ttl(cfg.index.speculative_ttl_ms);
         for s in &mut self.streams {
             *s = Stream::default();
         }
     }
 
-    /// Change the per-endpoint capacity and the map capacity.
+    /// Change the per-endpoint capacity and the per-endpoint map capacity.
     pub fn set_capacity(&mut self, capacity: u32, key_map_capacity: usize) {
         self.blocks.set_capacity(capacity);
-        self.map.capacity = key_map_capacity;
+        self.map_capacity = key_map_capacity;
+        for m in &mut self.maps {
+            m.capacity = key_map_capacity;
+        }
+        self.bound_speculation();
+    }
+
+    /// Change the speculative TTL (`index.speculative_ttl_ms`): a shorter one holds the pending
+    /// speculation to the latest `now` seen plus the new TTL.
+    pub fn set_speculative_ttl(&mut self, ttl_ms: u64) {
+        self.speculation.set_ttl(ttl_ms);
     }
 
     /// The request-key hashing.
@@ -573,6 +618,10 @@ impl KvIndex {
 
     pub(crate) fn activate(&mut self, slot: usize) {
         self.blocks.activate(slot);
+        self.bump_epoch(slot);
+        if let Some(m) = self.maps.get_mut(slot) {
+            m.clear();
+        }
         if self.streams.len() <= slot {
             self.streams.resize(slot + 1, Stream::default());
         }
@@ -581,9 +630,20 @@ impl KvIndex {
 
     pub(crate) fn retire(&mut self, slot: usize) {
         self.blocks.retire(slot);
+        self.bump_epoch(slot);
+        if let Some(m) = self.maps.get_mut(slot) {
+            m.clear();
+        }
         if let Some(s) = self.streams.get_mut(slot) {
             *s = Stream::default();
         }
+    }
+
+    fn bump_epoch(&mut self, slot: usize) {
+        if self.epochs.len() <= slot {
+            self.epochs.resize(slot + 1, 0);
+        }
+        self.epochs[slot] = self.epochs[slot].wrapping_add(1);
     }
 
     /// Whether routing may trust this endpoint's precise entries: it has delivered events, is
@@ -707,8 +767,9 @@ impl KvIndex {
             (KvEvent::BlockStored(s), KeyScheme::Dual) => self.store_dual(slot, s),
             (KvEvent::BlockRemoved(r), KeyScheme::Dual) => {
                 self.scratch_keys.clear();
+                let map = slot_map(&mut self.maps, slot, self.map_capacity);
                 for &engine in &r.block_hashes {
-                    if let Some(keys) = self.map.get(engine) {
+                    if let Some(keys) = map.get(engine) {
                         self.scratch_keys.extend_from_slice(keys.as_slice());
                     }
                 }
@@ -731,8 +792,9 @@ impl KvIndex {
             // Hash-only announcement (an offloading connector re-announcing blocks: no token
             // ids, no parent): only blocks whose engine key is already mapped can be placed.
             let mut placed = 0u64;
+            let map = slot_map(&mut self.maps, slot, self.map_capacity);
             for &engine in &s.block_hashes {
-                match self.map.get(engine) {
+                match map.get(engine) {
                     Some(keys) => {
                         self.scratch_keys.extend_from_slice(keys.as_slice());
                         placed += 1;
@@ -752,7 +814,7 @@ impl KvIndex {
         }
         let mut parent = match s.parent_block_hash {
             None => DualKeyHashing::root(s.lora_name.as_deref(), s.cache_salt.as_deref()),
-            Some(p) => match self.map.get(p) {
+            Some(p) => match slot_map(&mut self.maps, slot, self.map_capacity).get(p) {
                 Some(keys) => keys.last(),
                 None => {
                     self.stats.orphan_blocks += n as u64;
@@ -764,10 +826,10 @@ impl KvIndex {
             for (i, &engine) in s.block_hashes.iter().enumerate() {
                 let start = self.scratch_keys.len();
                 parent = self.key_block(parent, &s.token_ids[i * bs..(i + 1) * bs], s.content_keys.get(i).copied());
-                self.remember(engine, start);
+                self.remember(slot, engine, start);
             }
         } else {
-            self.key_offload_blocks(s, parent);
+            self.key_offload_blocks(slot, s, parent);
         }
         self.blocks.store(&self.scratch_keys, slot, s.medium);
         self.stats.blocks_stored += n as u64;
@@ -780,17 +842,17 @@ impl KvIndex {
     /// carry no extra keys (a multimodal block would otherwise be re-keyed as text). Kept out of
     /// line: GPU events carry their extra keys and are recomputed without a map probe per block.
     #[inline(never)]
-    fn key_offload_blocks(&mut self, s: &BlockStored, mut parent: u64) {
+    fn key_offload_blocks(&mut self, slot: usize, s: &BlockStored, mut parent: u64) {
         let bs = s.block_size as usize;
         for (i, &engine) in s.block_hashes.iter().enumerate() {
-            if let Some(keys) = self.map.get(engine) {
+            if let Some(keys) = slot_map(&mut self.maps, slot, self.map_capacity).get(engine) {
                 self.scratch_keys.extend_from_slice(keys.as_slice());
                 parent = keys.last();
                 continue;
             }
             let start = self.scratch_keys.len();
             parent = self.key_block(parent, &s.token_ids[i * bs..(i + 1) * bs], s.content_keys.get(i).copied());
-            self.remember(engine, start);
+            self.remember(slot, engine, start);
         }
     }
 
@@ -815,12 +877,12 @@ impl KvIndex {
         }
     }
 
-    /// Map `engine` to the request keys appended to `scratch_keys` since `start`.
+    /// Map `engine` to the request keys appended to `scratch_keys` since `start`, in `slot`'s map.
     #[inline]
-    fn remember(&mut self, engine: u64, start: usize) {
+    fn remember(&mut self, slot: usize, engine: u64, start: usize) {
         let keys = &self.scratch_keys[start..];
         let entry = if keys.len() == 1 { ReqKeys::One(keys[0]) } else { ReqKeys::Many(keys.into()) };
-        self.map.insert(engine, entry);
+        slot_map(&mut self.maps, slot, self.map_capacity).insert(engine, entry);
     }
 
     /// Give up on a gapped stream: drop the endpoint's entries, forget its sequence (the next batch
@@ -836,16 +898,24 @@ impl KvIndex {
         self.stats.resyncs += 1;
     }
 
-    /// Insert speculative entries for a routed request on `slot` (withdrawn at `expires_ms`
-    /// unless confirmed before, or kept longer by a later speculation on the same blocks: each
-    /// speculative membership carries the expiry tick of its latest speculation).
+    /// Insert speculative entries for a routed request on `slot` at `now_ms` (withdrawn at
+    /// `expires_ms`, held to `now_ms + index.speculative_ttl_ms`, unless confirmed before, or kept
+    /// longer by a later speculation on the same blocks: each speculative membership carries the
+    /// expiry tick of its latest speculation).
     #[cfg(test)]
-    pub(crate) fn speculate(&mut self, keys: &RequestKeys, slot: usize, incarnation: u32, expires_ms: u64) {
-        self.speculate_from(&keys.keys, 0, slot, incarnation, expires_ms);
+    pub(crate) fn speculate(
+        &mut self,
+        keys: &RequestKeys,
+        slot: usize,
+        incarnation: u32,
+        expires_ms: u64,
+        now_ms: u64,
+    ) {
+        self.speculate_from(&keys.keys, 0, slot, incarnation, expires_ms, now_ms);
     }
 
     /// [`KvIndex::speculate`] for the keys from position `skip` on (the leading ones are already
-    /// held in a tier).
+    /// held in a tier). Speculation past the byte budget withdraws the soonest-expiring first.
     pub(crate) fn speculate_from(
         &mut self,
         keys: &[BlockKey],
@@ -853,21 +923,66 @@ impl KvIndex {
         slot: usize,
         incarnation: u32,
         expires_ms: u64,
+        now_ms: u64,
     ) {
         let Some(keys) = keys.get(skip..).filter(|k| !k.is_empty()) else { return };
-        self.blocks.speculate(keys, slot, spec_tick(expires_ms));
-        self.speculation.push_back(Speculation { expires_ms, slot, incarnation, keys: keys.into() });
+        let Ok(slot32) = u32::try_from(slot) else { return };
+        self.advance_speculation(now_ms);
+        let deadline_ms = self.speculation.deadline(expires_ms, now_ms);
+        if deadline_ms <= now_ms {
+            return;
+        }
+        let tick = spec_tick(deadline_ms);
+        self.blocks.speculate(keys, slot, tick);
+        let epoch = self.epochs.get(slot).copied().unwrap_or(0);
+        self.speculation.insert(Speculation { deadline_ms, tick, slot: slot32, incarnation, epoch, keys: keys.into() });
+        self.bound_speculation();
     }
 
-    /// Withdraw speculation whose time has come. `live(slot, incarnation)` tells whether the
-    /// slot still belongs to the endpoint the speculation was made for.
-    pub(crate) fn expire(&mut self, now_ms: u64, live: impl Fn(usize, u32) -> bool) {
-        while self.speculation.front().is_some_and(|s| s.expires_ms <= now_ms) {
-            let Some(s) = self.speculation.pop_front() else { break };
-            if live(s.slot, s.incarnation) {
-                self.blocks.unspeculate(&s.keys, s.slot, spec_tick(s.expires_ms));
+    /// The latest `now` the speculation has seen (a replicated effect's expiry is held to it
+    /// plus the TTL).
+    pub(crate) fn speculation_now(&self) -> Option<u64> {
+        self.speculation.now_ms()
+    }
+
+    fn advance_speculation(&mut self, now_ms: u64) {
+        let (blocks, epochs) = (&mut self.blocks, &self.epochs);
+        self.speculation.advance(now_ms, |s| withdraw(blocks, epochs, &s));
+    }
+
+    /// Withdraw the soonest-expiring speculation while the index is over its byte budget: the
+    /// endpoints' budgets together, charged [`crate::config::NOMINAL_BYTES_PER_MEMBERSHIP`] per
+    /// live membership, [`SPECULATIVE_BYTES_PER_MEMBERSHIP`] per speculative one, plus the
+    /// speculation records' own bytes. Speculation thus uses what the engines' blocks leave of
+    /// the budget.
+    fn bound_speculation(&mut self) {
+        let nominal = crate::config::NOMINAL_BYTES_PER_MEMBERSHIP;
+        let budget = self.blocks.budget_memberships().saturating_mul(nominal);
+        while self.speculation.len() > 0 {
+            let spec = self.blocks.speculative_memberships();
+            let live = self.blocks.charged_memberships() - spec;
+            let used = live.saturating_mul(nominal)
+                + spec.saturating_mul(SPECULATIVE_BYTES_PER_MEMBERSHIP)
+                + self.speculation.memory_bytes() as u64;
+            if used <= budget {
+                break;
             }
+            let Some(s) = self.speculation.pop_soonest() else { break };
+            withdraw(&mut self.blocks, &self.epochs, &s);
+            self.stats.speculation_evictions += 1;
         }
+    }
+
+    /// Withdraw speculation whose time has come (every record whose deadline has passed, in
+    /// whatever order they were made; see [`crate::speculation`]). `live(slot, incarnation)` tells
+    /// whether the slot still belongs to the endpoint the speculation was made for.
+    pub(crate) fn expire(&mut self, now_ms: u64, live: impl Fn(usize, u32) -> bool) {
+        let (blocks, epochs) = (&mut self.blocks, &self.epochs);
+        self.speculation.advance(now_ms, |s| {
+            if live(s.slot as usize, s.incarnation) {
+                withdraw(blocks, epochs, &s);
+            }
+        });
     }
 
     /// Longest held prefix per slot.
@@ -890,8 +1005,10 @@ impl KvIndex {
     pub fn stats(&self) -> PreciseStats {
         PreciseStats {
             index: self.blocks.stats(),
-            mapped_engine_blocks: self.map.len() as u64,
-            map_memory_bytes: self.map.memory_bytes() as u64,
+            mapped_engine_blocks: self.maps.iter().map(|m| m.len() as u64).sum(),
+            map_memory_bytes: (self.maps.iter().map(EngineKeyMap::memory_bytes).sum::<usize>()
+                + self.maps.capacity() * std::mem::size_of::<EngineKeyMap>()) as u64,
+            speculation_memory_bytes: self.speculation.memory_bytes() as u64,
             speculative_requests: self.speculation.len() as u64,
             speculative_blocks: self.blocks.speculative_memberships(),
             ..self.stats
@@ -901,7 +1018,7 @@ impl KvIndex {
     /// Forget the engine-key map (tests).
     #[cfg(test)]
     fn forget_map(&mut self) {
-        self.map.clear();
+        self.maps.iter_mut().for_each(EngineKeyMap::clear);
     }
 }
 
@@ -1153,8 +1270,8 @@ mod tests {
         let mut ix = index();
         let short = request_keys(&ix, 0..32);
         let long = request_keys(&ix, 0..64);
-        ix.speculate(&short, 0, 1, 2_000);
-        ix.speculate(&long, 0, 1, 3_500);
+        ix.speculate(&short, 0, 1, 2_000, 0);
+        ix.speculate(&long, 0, 1, 3_500, 1_500);
         ix.expire(2_500, |_, _| true);
         assert_eq!(matched(&ix, &long), vec![4, 0], "the shared prefix is still covered by the newer request");
         ix.expire(3_500, |_, _| true);
@@ -1166,7 +1283,7 @@ mod tests {
     fn speculation_expires_unless_confirmed() {
         let mut ix = index();
         let k = request_keys(&ix, 0..48);
-        ix.speculate(&k, 1, 7, 2_000);
+        ix.speculate(&k, 1, 7, 2_000, 0);
         assert_eq!(matched(&ix, &k), vec![0, 3]);
         // The engine confirms the first two blocks on endpoint 1.
         ix.apply(1, &batch(1.0, vec![stored(&[1, 2], None, 0, Medium::Gpu)]), None);
@@ -1174,7 +1291,7 @@ mod tests {
         assert_eq!(matched(&ix, &k), vec![0, 2]);
         assert_eq!(ix.stats().speculative_requests, 0);
         // A speculation for a slot that changed hands is not withdrawn from the new holder.
-        ix.speculate(&k, 0, 1, 3_000);
+        ix.speculate(&k, 0, 1, 3_000, 2_000);
         ix.expire(3_000, |_, inc| inc == 2);
         assert_eq!(matched(&ix, &k), vec![3, 2]);
     }

@@ -393,6 +393,7 @@ impl Router {
             st.kv.reconfigure(new.policy.config(), new.precise_fingerprint);
             st.counters.index_resets += 1;
         }
+        st.kv.set_speculative_ttl(new.policy.config().index.speculative_ttl_ms);
         st.kv.set_capacity(new.precise_capacity, new.policy.config().index.precise.key_map_capacity);
         let limits = &new.policy.config().limits;
         st.bound_inflight(limits.max_inflight_requests);
@@ -582,10 +583,14 @@ impl Router {
             }
         }
         if e.precise_fingerprint == st.kv.fingerprint() && !e.precise_keys.is_empty() {
+            // The expiry is held to this instance's clock plus the TTL (a peer's far-future
+            // expiry cannot pin entries here).
+            let now = st.kv.speculation_now().unwrap_or(e.now_ms);
+            st.expire_speculation(now);
             for (i, s) in slots.enumerate() {
                 let inc = st.endpoints.get(s).map_or(0, |ep| ep.incarnation);
                 let skip = e.precise_skip[i] as usize;
-                st.kv.speculate_from(&e.precise_keys, skip, s as usize, inc, e.speculative_expires_ms);
+                st.kv.speculate_from(&e.precise_keys, skip, s as usize, inc, e.speculative_expires_ms, now);
             }
         }
         let target = st.endpoints.get(t_slot).map_or(SlotRef { slot: t_slot, incarnation: 0 }, |ep| SlotRef {
@@ -700,11 +705,7 @@ impl Router {
         e.sample("kvroute_index_memberships", &[("index", "precise")], stats.precise.index.memberships as f64);
         e.header("kvroute_index_bytes", "gauge", "Heap bytes held per index.");
         e.sample("kvroute_index_bytes", &[("index", "approx")], stats.index.memory_bytes as f64);
-        e.sample(
-            "kvroute_index_bytes",
-            &[("index", "precise")],
-            (stats.precise.index.memory_bytes + stats.precise.map_memory_bytes) as f64,
-        );
+        e.sample("kvroute_index_bytes", &[("index", "precise")], stats.precise.memory_bytes() as f64);
         e.header("kvroute_speculative_blocks", "gauge", "Speculative (block, endpoint) memberships pending.");
         e.sample("kvroute_speculative_blocks", &[], stats.precise.speculative_blocks as f64);
         let p = &stats.precise;
@@ -1062,7 +1063,14 @@ impl Router {
                 // rest of a single-sequence prompt is speculated.
                 let held = if single { st.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
                 precise_skip[i] = held;
-                st.kv.speculate_from(&bufs.precise.keys, held as usize, r.slot as usize, r.incarnation, expires);
+                st.kv.speculate_from(
+                    &bufs.precise.keys,
+                    held as usize,
+                    r.slot as usize,
+                    r.incarnation,
+                    expires,
+                    now_ms,
+                );
             }
         }
         st.inflight.insert(&request_id, target, prefill_ref, now_ms);

@@ -224,6 +224,10 @@ pub struct PrefixIndex<B: BucketKind> {
     /// Dead records (killed generations, retired slots) not yet reclaimed by the sweeper.
     dead_pending: u64,
     passes: u64,
+    /// Sums over active slots of `live` and `spec`, and the number of active slots.
+    live_total: u64,
+    spec_total: u64,
+    active_slots: u64,
 }
 
 /// Slice equality without a `memcmp` call for the short postings that dominate.
@@ -285,6 +289,9 @@ impl<B: BucketKind> PrefixIndex<B> {
             sweep_debt: 0,
             dead_pending: 0,
             passes: 0,
+            live_total: 0,
+            spec_total: 0,
+            active_slots: 0,
         }
     }
 
@@ -307,7 +314,10 @@ impl<B: BucketKind> PrefixIndex<B> {
         for s in &mut self.slots {
             s.counts = [0; GENERATIONS as usize];
             s.live = 0;
+            s.spec = 0;
         }
+        self.live_total = 0;
+        self.spec_total = 0;
     }
 
     /// Change the per-endpoint capacity; endpoints over it lose their oldest generations now.
@@ -347,6 +357,12 @@ impl<B: BucketKind> PrefixIndex<B> {
             self.collect_all();
         }
         let s = &mut self.slots[slot];
+        if s.active {
+            self.live_total -= u64::from(s.live);
+            self.spec_total -= u64::from(s.spec);
+        } else {
+            self.active_slots += 1;
+        }
         let gen = s.gen;
         *s = SlotState::new(self.cap);
         s.gen = gen;
@@ -359,6 +375,11 @@ impl<B: BucketKind> PrefixIndex<B> {
         let passes = self.passes;
         if let Some(s) = self.slots.get_mut(slot) {
             self.dead_pending += u64::from(s.live) + u64::from(s.spec);
+            self.live_total -= u64::from(s.live);
+            self.spec_total -= u64::from(s.spec);
+            if s.active {
+                self.active_slots -= 1;
+            }
             s.active = false;
             s.live = 0;
             s.spec = 0;
@@ -399,6 +420,7 @@ impl<B: BucketKind> PrefixIndex<B> {
         s.gen = s.gen.wrapping_add(1);
         let idx = (s.gen % GENERATIONS) as usize;
         s.live -= s.counts[idx];
+        self.live_total -= u64::from(s.counts[idx]);
         self.dead_pending += u64::from(s.counts[idx]);
         s.counts[idx] = 0;
         self.sweep_debt += self.table.capacity() / SWEEP_DIVISOR + 1;
@@ -513,8 +535,9 @@ impl<B: BucketKind> PrefixIndex<B> {
             }
         }
         let s = &mut self.slots[slot];
-        if was_spec {
-            s.spec = s.spec.saturating_sub(1);
+        if was_spec && s.spec > 0 {
+            s.spec -= 1;
+            self.spec_total -= 1;
         }
         let cur = (stamp % GENERATIONS) as usize;
         match prev_counted {
@@ -528,6 +551,7 @@ impl<B: BucketKind> PrefixIndex<B> {
             None => {
                 s.counts[cur] += 1;
                 s.live += 1;
+                self.live_total += 1;
                 // While dead records await reclaiming, sweep four buckets per birth: a full pass
                 // then completes within capacity/4 births, so dead records stay a bounded
                 // fraction of the table. (A table with nothing dead is not swept for births.)
@@ -540,7 +564,9 @@ impl<B: BucketKind> PrefixIndex<B> {
 
     /// Record that `slot` is expected to hold `keys` until expiry tick `tick` (a request was
     /// routed there). Blocks already held in a tier are left as they are; speculative ones keep
-    /// the later of their ticks. Speculative memberships are not counted against the capacity;
+    /// the later of their ticks. Speculative memberships are not counted against an endpoint's
+    /// capacity (the generations); they are in [`PrefixIndex::charged_memberships`], which the
+    /// precise index keeps within [`PrefixIndex::budget_memberships`] by withdrawing speculation;
     /// [`PrefixIndex::unspeculate`] withdraws them.
     pub fn speculate(&mut self, keys: &[BlockKey], slot: usize, tick: u32) {
         if !self.slots.get(slot).is_some_and(|s| s.active) {
@@ -567,6 +593,7 @@ impl<B: BucketKind> PrefixIndex<B> {
             });
             if born {
                 self.slots[slot].spec += 1;
+                self.spec_total += 1;
             }
         }
     }
@@ -587,8 +614,9 @@ impl<B: BucketKind> PrefixIndex<B> {
                 }
             });
             if deleted {
-                if let Some(s) = self.slots.get_mut(slot) {
-                    s.spec = s.spec.saturating_sub(1);
+                if let Some(s) = self.slots.get_mut(slot).filter(|s| s.spec > 0) {
+                    s.spec -= 1;
+                    self.spec_total -= 1;
                 }
             }
         }
@@ -596,7 +624,17 @@ impl<B: BucketKind> PrefixIndex<B> {
 
     /// Speculative (block, endpoint) memberships pending.
     pub fn speculative_memberships(&self) -> u64 {
-        self.slots.iter().filter(|s| s.active).map(|s| u64::from(s.spec)).sum()
+        self.spec_total
+    }
+
+    /// Memberships charged against the budget: live ones and speculative ones (O(1)).
+    pub fn charged_memberships(&self) -> u64 {
+        self.live_total + self.spec_total
+    }
+
+    /// The budget of all active endpoints together, in memberships (O(1)).
+    pub fn budget_memberships(&self) -> u64 {
+        u64::from(self.cap) * self.active_slots
     }
 
     /// Record that the engine removed `keys` from `medium` on `slot`: the tier is dropped, and a
@@ -643,6 +681,7 @@ impl<B: BucketKind> PrefixIndex<B> {
                 let s = &mut self.slots[slot];
                 s.counts[((r & STAMP_MASK) % GENERATIONS) as usize] -= 1;
                 s.live -= 1;
+                self.live_total -= 1;
             }
         }
     }
@@ -1122,6 +1161,9 @@ mod tests {
                     prop_assert_eq!(u64::from(ix.memberships_of(s)), ix.live_records_in_table(s));
                     if !is_active { prop_assert_eq!(ix.memberships_of(s), 0); }
                 }
+                let live: u64 = (0..6).map(|s| u64::from(ix.memberships_of(s))).sum();
+                prop_assert_eq!(ix.charged_memberships(), live, "running totals follow the slots");
+                prop_assert_eq!(ix.budget_memberships(), u64::from(cap) * active.iter().filter(|&&a| a).count() as u64);
             }
         }
     }
