@@ -182,11 +182,11 @@ fn recovers(w: &mut World, run: &mut Run) {
     }
 }
 
-/// Metric polls of the first two VMs, from their stats pages.
+/// Metric polls of all VMs (one holds the polling lease), from their stats pages.
 fn polls(w: &mut World, run: &mut Run) -> f64 {
     let mut n = 0.0;
-    for i in 0..2 {
-        if let Some(page) = run.step("stats", stats(&mut w.host, w.vms[i])) {
+    for vm in w.vms.clone() {
+        if let Some(page) = run.step("stats", stats(&mut w.host, vm)) {
             n += stat(&page, "kvroute_wasm_metric_polls_total").unwrap_or(0.0);
         }
     }
@@ -247,4 +247,129 @@ fn no_injected_status_traps_the_filter_on_any_path() {
     eprintln!("traps, the three named statuses: {headline}/{}", cases * 3);
     assert!(table.is_empty(), "{} traps:\n{}", table.len(), table.join("\n"));
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Every call site, not just the first: the k-th call of each import fails (InternalFailure),
+/// for every k the scenario reaches (the first 40 calls of an import, then every 5th).
+#[test]
+fn a_failure_at_any_single_call_site_traps_nothing() {
+    let calls = imports_and_calls();
+    let mut traps = Vec::new();
+    let mut failures = Vec::new();
+    let mut cases = 0;
+    for (import, n) in &calls {
+        for k in (1..=*n).filter(|k| *k <= 40 || k % 5 == 0) {
+            cases += 1;
+            let mut w = world();
+            w.host.inject_fault(import, Fault::status(Status::InternalFailure).nth(k)).unwrap();
+            let mut run = Run::default();
+            exercise(&mut w, &mut run, true);
+            recovers(&mut w, &mut run);
+            traps.extend(run.traps.iter().map(|t| format!("{import} call {k}: {t}")));
+            failures.extend(run.failures.iter().map(|f| format!("{import} call {k}: {f}")));
+        }
+    }
+    eprintln!("{cases} single-call faults, {} traps", traps.len());
+    assert!(traps.is_empty(), "{} traps:\n{}", traps.len(), traps.join("\n"));
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+fn counter(w: &mut World, vm: usize, name: &str) -> f64 {
+    let page = stats(&mut w.host, w.vms[vm]).unwrap();
+    stat(&page, name).unwrap_or(0.0)
+}
+
+fn warned(w: &World, needle: &str) -> bool {
+    w.host.logs().iter().any(|l| l.level <= kvroute_wasm_host::LogLevel::Warn && l.message.contains(needle))
+}
+
+#[test]
+fn request_path_failures_fail_open_are_logged_and_counted() {
+    const INTERNAL: &str = "kvroute_wasm_internal_errors_total";
+    // Headers unreadable: the request still goes upstream, routed by the core on its body.
+    let mut w = world();
+    w.host.inject_fault("proxy_get_header_map_pairs", Fault::status(Status::InternalFailure)).unwrap();
+    let body = w.body.clone();
+    let (s, o) = route(&mut w.host, w.vms[0], &body, &[]).unwrap();
+    w.host.finish_stream(s).unwrap();
+    w.host.clear_faults();
+    assert!(o.destination().is_some(), "{:?}", o.upstream);
+    assert_eq!(counter(&mut w, 0, INTERNAL), 1.0);
+    assert!(warned(&w, "reading the request headers"));
+
+    // Body unreadable: the fail-open destination, with the reason.
+    let mut w = world();
+    w.host.inject_fault("proxy_get_buffer_bytes", Fault::status(Status::BadArgument)).unwrap();
+    let (s, o) = route(&mut w.host, w.vms[0], &body, &[]).unwrap();
+    w.host.finish_stream(s).unwrap();
+    w.host.clear_faults();
+    assert!(o.destination() == Some(A) || o.destination() == Some(B), "{:?}", o.upstream);
+    assert_eq!(o.header("x-kvroute-fallback"), Some("internal"));
+    assert_eq!(counter(&mut w, 0, INTERNAL), 1.0);
+    assert_eq!(counter(&mut w, 0, "kvroute_wasm_fail_open_total"), 1.0);
+    assert!(warned(&w, "reading the request body"));
+
+    // Headers not writable: the request goes on without them (the route's default cluster).
+    let mut w = world();
+    w.host.inject_fault("proxy_replace_header_map_value", Fault::status(Status::NotFound)).unwrap();
+    let (s, o) = route(&mut w.host, w.vms[0], &body, &[]).unwrap();
+    w.host.finish_stream(s).unwrap();
+    w.host.clear_faults();
+    assert!(o.upstream.is_some() && o.destination().is_none());
+    assert_eq!(counter(&mut w, 0, INTERNAL), 1.0);
+    assert!(warned(&w, "setting the routing headers failed"));
+
+    // Shared data refused: routed by this VM's own state, the sync error counted.
+    let mut w = world();
+    w.host.inject_fault("proxy_get_shared_data", Fault::status(Status::InternalFailure)).unwrap();
+    w.host.inject_fault("proxy_set_shared_data", Fault::status(Status::InternalFailure)).unwrap();
+    let (s, o) = route(&mut w.host, w.vms[0], &body, &[]).unwrap();
+    w.host.finish_stream(s).unwrap();
+    w.host.clear_faults();
+    assert!(o.destination().is_some() && o.header("x-kvroute-fallback").is_none(), "{:?}", o.upstream);
+    assert!(counter(&mut w, 0, "kvroute_wasm_sync_errors_total") >= 1.0);
+
+    // The clock refused: the last time the host told.
+    let mut w = world();
+    w.host.inject_fault("proxy_get_current_time_nanoseconds", Fault::status(Status::InternalFailure)).unwrap();
+    let (s, o) = route(&mut w.host, w.vms[0], &body, &[]).unwrap();
+    w.host.finish_stream(s).unwrap();
+    assert!(o.destination().is_some() && o.header("x-kvroute-fallback").is_none(), "{:?}", o.upstream);
+    for vm in w.vms.clone() {
+        assert_eq!(w.host.failure(vm).unwrap(), None);
+    }
+    assert!(w.host.abi_violations().is_empty(), "{:#?}", &*w.host.abi_violations());
+}
+
+#[test]
+fn answers_the_host_refuses_reset_the_stream_and_never_go_upstream() {
+    // An event post whose answer cannot be sent is reset, not forwarded.
+    let mut w = world();
+    w.host.inject_fault("proxy_send_local_response", Fault::status(Status::InternalFailure)).unwrap();
+    let batch = w.batch.clone();
+    let h = vec![
+        (":method", "POST"),
+        (":path", EVENTS_PATH),
+        (":authority", "x"),
+        ("x-kvroute-secret", SECRET),
+        ("x-kvroute-endpoint", B),
+        ("x-kvroute-seq", "0"),
+    ];
+    let st = w.host.round_trip(w.vms[0], &HttpMessage::new(h.clone(), batch.clone()), None).unwrap();
+    assert!(st.upstream_headers().is_none() && st.was_reset() && st.local_reply().is_none());
+    // So is the stats page.
+    let get = HttpMessage::new(vec![(":method", "GET"), (":path", STATS_PATH), (":authority", "x")], Vec::new());
+    let st = w.host.round_trip(w.vms[0], &get, None).unwrap();
+    assert!(st.upstream_headers().is_none() && st.was_reset());
+    assert!(warned(&w, "local reply 200 refused by the host"));
+    // An event body the host does not hand over is answered 503, not forwarded.
+    w.host.clear_faults();
+    w.host.inject_fault("proxy_get_buffer_bytes", Fault::status(Status::InternalFailure)).unwrap();
+    let st = w.host.round_trip(w.vms[0], &HttpMessage::new(h, batch), None).unwrap();
+    assert_eq!(answer(&st).0, 503);
+    assert!(st.upstream_headers().is_none());
+    w.host.clear_faults();
+    for vm in w.vms.clone() {
+        assert_eq!(w.host.failure(vm).unwrap(), None);
+    }
 }
