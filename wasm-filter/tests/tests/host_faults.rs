@@ -373,3 +373,28 @@ fn answers_the_host_refuses_reset_the_stream_and_never_go_upstream() {
         assert_eq!(w.host.failure(vm).unwrap(), None);
     }
 }
+
+#[test]
+fn a_429_the_host_refuses_to_send_fails_open() {
+    let pages = Pages::default();
+    pages.always(A, prometheus(&json!({"waiting": 5, "running": 0, "kv_usage": 0.2})));
+    pages.always(B, prometheus(&json!({"waiting": 6, "running": 0, "kv_usage": 0.2})));
+    let mut host = host(&pages).unwrap();
+    let filter = host.load_kvroute_filter().unwrap();
+    let vm = host.start_vm(&filter, vm_config(&plugin_config(&json!({}), &[(A, "decode"), (B, "decode")], &json!({}))));
+    let vm = vm.unwrap();
+    host.advance(Duration::from_millis(250)).unwrap();
+    let body = br#"{"model": "m", "prompt": "Translate 'good morning' into French, please.", "max_tokens": 50}"#;
+    host.inject_fault("proxy_send_local_response", Fault::status(Status::InternalFailure)).unwrap();
+    let (s, o) = route(&mut host, vm, body, &[("x-kvroute-priority", "-1")]).unwrap();
+    host.finish_stream(s).unwrap();
+    host.clear_faults();
+    assert_eq!(host.faults_fired("proxy_send_local_response"), 1, "the filter tried to shed");
+    assert!(matches!(o.destination(), Some(A | B)), "{:?}", o.upstream);
+    assert_eq!(o.header("x-kvroute-fallback"), Some("internal"));
+    let page = stats(&mut host, vm).unwrap();
+    assert_eq!(stat(&page, "kvroute_wasm_shed_total"), Some(1.0));
+    assert_eq!(stat(&page, "kvroute_wasm_internal_errors_total"), Some(1.0));
+    assert_eq!(stat(&page, "kvroute_wasm_fail_open_total"), Some(1.0));
+    assert_eq!(host.failure(vm).unwrap(), None);
+}
