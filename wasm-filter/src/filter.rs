@@ -1,23 +1,26 @@
 //! The proxy-wasm glue (wasm32 only): the root context owns the router, the shared log and the
 //! metric poller; HTTP contexts hold only their request's state.
 //!
-//! Host calls go through `proxy_wasm::hostcalls` (which return `Result`) rather than the SDK's
-//! trait helpers (which unwrap), and request headers are only ever changed while the request is
+//! Host calls go through `crate::host` (imported as `hostcalls`), whose wrappers return every
+//! status as a `Result`: a failed call is handled (the request fails open, the failure is logged
+//! and counted), never a trap. Request headers are only ever changed while the request is
 //! paused (in the headers callback, or in a body/trailers callback after headers returned
-//! `Pause`): changing them after headers continued fails and would abort the VM.
+//! `Pause`): changing them after headers continued fails.
 
+use std::cell::Cell;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
+use crate::host as hostcalls;
+use crate::host::{
+    Action, BufferType, Context, ContextType, HttpContext, LogLevel, MapType, MetricType, RootContext, Status,
+};
 use kvroute::{
     decision, EndpointSpec, EventIngestError, MetricsSnapshot, RequestError, RouteError, Router, RoutingEffect,
     StateError,
 };
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 
 use crate::config::{path_only, PluginConfig, HEADER_DECISION};
 use crate::counters::{Counter, Counters};
@@ -31,11 +34,22 @@ fn log(level: LogLevel, msg: &str) {
     let _ = hostcalls::log(level, msg);
 }
 
+std::thread_local! {
+    /// The last time the host told (the clock when it refuses to).
+    static LAST_NOW_MS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The host's clock in ms; when the host refuses the call, the last time it told.
 fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    let last = LAST_NOW_MS.try_with(Cell::get).unwrap_or(0);
+    match hostcalls::get_current_time_ns() {
+        Ok(ns) => {
+            let ms = ns / 1_000_000;
+            let _ = LAST_NOW_MS.try_with(|c| c.set(ms));
+            ms
+        }
+        Err(_) => last,
+    }
 }
 
 /// proxy-wasm shared data.
@@ -95,8 +109,8 @@ impl Shared {
         };
         let Some(ids) = ids.as_ref() else { return };
         for (id, n) in ids.iter().zip(unflushed.iter_mut()) {
-            if *n > 0 {
-                let _ = hostcalls::increment_metric(*id, i64::try_from(*n).unwrap_or(i64::MAX));
+            // Kept when the host refuses them: added at a later flush.
+            if *n > 0 && hostcalls::increment_metric(*id, i64::try_from(*n).unwrap_or(i64::MAX)).is_ok() {
                 *n = 0;
             }
         }
@@ -111,7 +125,11 @@ impl Shared {
         for c in Counter::ALL {
             match hostcalls::define_metric(MetricType::Counter, c.name()) {
                 Ok(id) => out.push(id),
-                Err(_) => return,
+                Err(s) => {
+                    // Defined again at the next configuration; the stats page counts meanwhile.
+                    log(LogLevel::Warn, &format!("kvroute: defining metric {}: {s:?}", c.name()));
+                    return;
+                }
             }
         }
         *ids = Some(out);
@@ -275,7 +293,12 @@ impl Root {
             }
         }
         drop(slot);
-        let _ = hostcalls::set_tick_period(Duration::from_millis(cfg.filter.sync.tick_ms));
+        if let Err(s) = hostcalls::set_tick_period(Duration::from_millis(cfg.filter.sync.tick_ms)) {
+            // No ticks: requests, event posts and the stats page still sync the log; polling waits
+            // for the next configuration.
+            self.shared.bump(Counter::InternalErrors);
+            log(LogLevel::Warn, &format!("kvroute: setting the tick period: {s:?}"));
+        }
         Ok(())
     }
 
@@ -492,12 +515,27 @@ fn set_header(name: &str, value: &str) -> bool {
     hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
 }
 
-fn reply(status: u32, headers: Vec<(&str, &str)>, body: &str) {
-    let _ = hostcalls::send_http_response(status, headers, Some(body.as_bytes()));
+/// Answers the request locally. `false`: the host refused (logged).
+fn reply(status: u32, headers: Vec<(&str, &str)>, body: &str) -> bool {
+    match hostcalls::send_http_response(status, headers, Some(body.as_bytes())) {
+        Ok(()) => true,
+        Err(s) => {
+            log(LogLevel::Warn, &format!("kvroute: local reply {status} refused by the host: {s:?}"));
+            false
+        }
+    }
+}
+
+/// Answers the request locally, or resets the stream when the host refuses the answer, so that
+/// a request meant to be answered here (event post, stats page, reject) never goes upstream.
+fn reply_or_reset(status: u32, headers: Vec<(&str, &str)>, body: &str) {
+    if !reply(status, headers, body) {
+        let _ = hostcalls::close_request_stream();
+    }
 }
 
 fn json_reply(status: u32, body: &str) {
-    reply(status, vec![("content-type", "application/json")], body);
+    reply_or_reset(status, vec![("content-type", "application/json")], body);
 }
 
 /// The error JSON of the debug header.
@@ -560,7 +598,11 @@ impl Http {
             }
             h.push(("content-type", "application/json"));
             let body = serde_json::json!({"error": "shed", "reason": shed.reason}).to_string();
-            reply(u32::from(shed.status), h, &body);
+            if !reply(u32::from(shed.status), h, &body) {
+                // The 429 cannot be sent: fail open rather than hold the request.
+                self.shared.bump(Counter::InternalErrors);
+                return self.fail_open("internal", None);
+            }
             self.phase = Phase::Done;
             return Action::Pause;
         }
@@ -623,7 +665,7 @@ impl Http {
                 if let Some(j) = &debug {
                     h.push((HEADER_DECISION, j));
                 }
-                reply(u32::from(status), h, &ingest::error_body("not_routed", reason));
+                reply_or_reset(u32::from(status), h, &ingest::error_body("not_routed", reason));
                 Action::Pause
             }
         }
@@ -752,7 +794,7 @@ impl Http {
             },
             Err(_) => String::new(),
         };
-        reply(200, vec![("content-type", "text/plain; version=0.0.4")], &text);
+        reply_or_reset(200, vec![("content-type", "text/plain; version=0.0.4")], &text);
         Action::Pause
     }
 
@@ -773,8 +815,15 @@ impl Http {
     fn body_done(&mut self, body_size: usize) -> Action {
         let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
             Ok(b) => b.unwrap_or_default(),
-            Err(_) => {
+            Err(s) => {
                 self.shared.bump(Counter::InternalErrors);
+                log(LogLevel::Warn, &format!("kvroute: reading the request body: {s:?}"));
+                if let Phase::Event(_) = self.phase {
+                    // An event post never goes upstream.
+                    self.phase = Phase::Done;
+                    json_reply(503, &ingest::error_body("internal", "request body unreadable"));
+                    return Action::Pause;
+                }
                 return self.fail_open("internal", None);
             }
         };
@@ -827,11 +876,16 @@ impl HttpContext for Http {
                     }
                 }
             }
-            Err(_) => {
+            Err(s) => {
                 self.shared.bump(Counter::InternalErrors);
+                log(LogLevel::Warn, &format!("kvroute: reading the request headers: {s:?}"));
                 for h in CLIENT_MUST_NOT_SET {
                     let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, h, None);
                 }
+                // One by one, the headers that decide where the request belongs (event path,
+                // stats page, inference).
+                self.headers =
+                    [":path", ":method"].into_iter().filter_map(|k| header(k).map(|v| (k.to_owned(), v))).collect();
             }
         }
         // The configuration is shared (`Rc`): holding it costs no copy of its strings.

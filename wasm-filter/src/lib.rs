@@ -18,7 +18,8 @@
 //!
 //! The pure parts (configuration, log protocol, ingestion protocol, counters) build and
 //! are unit-tested natively; the proxy-wasm glue exists only on wasm32 and is tested through the
-//! wasmtime host in `wasm-filter/tests`.
+//! wasmtime host in `wasm-filter/tests`. The glue is the filter's own (module `host`: the ABI
+//! imports and exports, no proxy-wasm SDK), so that no hostcall status can trap the VM.
 
 pub mod config;
 pub mod counters;
@@ -27,16 +28,12 @@ pub mod sync;
 
 #[cfg(target_arch = "wasm32")]
 mod filter;
-
-/// The module's entry point (`_initialize`, run by the host once per VM): registers the root
-/// context factory.
 #[cfg(target_arch = "wasm32")]
-mod entry {
-    #![allow(missing_docs)]
-    proxy_wasm::main! {{
-        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-        proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
-            Box::new(super::filter::Root::new())
-        });
-    }}
+mod host;
+mod host_map;
+
+/// Run once by the module's `_initialize` (in [`host`]): registers the root context factory.
+#[cfg(target_arch = "wasm32")]
+fn init() {
+    host::set_root_context(|_| -> Box<dyn host::RootContext> { Box::new(filter::Root::new()) });
 }

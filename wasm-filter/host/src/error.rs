@@ -64,6 +64,9 @@ pub enum HostError {
     /// enqueues into its own queue); the host stops after a fixed number.
     #[error("more than {0} events at one virtual instant: the guests keep waking each other up")]
     EventStorm(usize),
+    /// [`crate::Host::inject_fault`] was given a name that is not one of [`crate::PROXY_IMPORTS`].
+    #[error("no hostcall {0} to inject a fault into")]
+    UnknownImport(String),
     /// Finding or building the kvroute filter wasm failed.
     #[error("kvroute filter wasm: {0}")]
     Filter(String),

@@ -15,6 +15,7 @@ use wasmtime::{
 
 use crate::abi::{Action, LogLevel};
 use crate::error::HostError;
+use crate::faults::{Fault, Faults};
 use crate::state::{AfterCall, ClusterHandler, Context, Event, History, MetricKind, RootCtx, Shared, Timed, VmState};
 use crate::types::{
     AbiViolation, CalloutReply, CalloutRequest, LogEntry, MetricValue, Stream, StreamId, VmConfig, VmId,
@@ -132,6 +133,7 @@ impl HostBuilder {
             metrics: HashMap::new(),
             histogram_cap: self.history_cap,
             random_state: self.random_seed | 1,
+            faults: crate::faults::Faults::default(),
         };
         Ok(Host {
             engine,
@@ -639,6 +641,38 @@ impl Host {
     /// moves on, its value stays). For testing the filter's retry loops.
     pub fn force_cas_mismatch(&mut self, vm_id: &str, key: &str, times: u32) {
         self.shared.borrow_mut().forced_cas_mismatch.insert((vm_id.to_string(), key.as_bytes().to_vec()), times);
+    }
+
+    // ---- fault injection ----
+
+    /// Makes `import` (an `env.proxy_*` name of [`crate::PROXY_IMPORTS`]) answer the fault's status on
+    /// the calls it selects, in every VM, instead of doing its work; replaces an earlier fault of
+    /// that import. The calls the fault numbers are counted from now. A name the host does not
+    /// provide is [`HostError::UnknownImport`].
+    pub fn inject_fault(&mut self, import: &str, fault: Fault) -> Result<(), HostError> {
+        let name = Faults::known(import).ok_or_else(|| HostError::UnknownImport(import.to_string()))?;
+        self.shared.borrow_mut().faults.arm(name, fault);
+        Ok(())
+    }
+
+    /// Removes the fault of `import` (if any): its calls work again.
+    pub fn remove_fault(&mut self, import: &str) {
+        self.shared.borrow_mut().faults.disarm(import);
+    }
+
+    /// Removes every injected fault.
+    pub fn clear_faults(&mut self) {
+        self.shared.borrow_mut().faults.clear();
+    }
+
+    /// How often the guests (all VMs) called `import` since the host was built, faulted or not.
+    pub fn hostcall_count(&self, import: &str) -> u64 {
+        self.shared.borrow().faults.calls(import)
+    }
+
+    /// How many calls of `import` an injected fault answered since the host was built.
+    pub fn faults_fired(&self, import: &str) -> u64 {
+        self.shared.borrow().faults.fired(import)
     }
 
     /// The token of a registered shared queue.

@@ -31,6 +31,9 @@ macro_rules! proxy_fn {
     ($linker:expr, $name:literal, $f:path, ($($arg:ident),*)) => {
         $linker.func_wrap("env", $name, |mut caller: C<'_>, $($arg: i32),*| -> wasmtime::Result<i32> {
             guard(&caller, $name)?;
+            if let Some(code) = injected(&caller, $name) {
+                return Ok(code);
+            }
             let status = $f(&mut caller, $($arg),*)?;
             note_status(&caller, $name, status);
             Ok(status.code())
@@ -44,6 +47,9 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         "env",
         "proxy_log",
         |mut caller: C<'_>, level: i32, ptr: i32, len: i32| -> wasmtime::Result<i32> {
+            if let Some(code) = injected(&caller, "proxy_log") {
+                return Ok(code);
+            }
             let status = log(&mut caller, level, ptr, len)?;
             note_status(&caller, "proxy_log", status);
             Ok(status.code())
@@ -106,6 +112,9 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         "proxy_increment_metric",
         |mut caller: C<'_>, id: i32, delta: i64| -> wasmtime::Result<i32> {
             guard(&caller, "proxy_increment_metric")?;
+            if let Some(code) = injected(&caller, "proxy_increment_metric") {
+                return Ok(code);
+            }
             let status = increment_metric(&mut caller, id, delta);
             note_status(&caller, "proxy_increment_metric", status);
             Ok(status.code())
@@ -116,6 +125,9 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         "proxy_record_metric",
         |mut caller: C<'_>, id: i32, value: i64| -> wasmtime::Result<i32> {
             guard(&caller, "proxy_record_metric")?;
+            if let Some(code) = injected(&caller, "proxy_record_metric") {
+                return Ok(code);
+            }
             let status = record_metric(&mut caller, id, value);
             note_status(&caller, "proxy_record_metric", status);
             Ok(status.code())
@@ -144,6 +156,11 @@ fn guard(caller: &C<'_>, name: &'static str) -> wasmtime::Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Counts a call of `name`; `Some(code)`: an injected fault answers it (the call does nothing).
+fn injected(caller: &C<'_>, name: &'static str) -> Option<i32> {
+    caller.data().shared.borrow_mut().faults.on_call(name)
 }
 
 fn note_status(caller: &C<'_>, call: &'static str, status: Status) {

@@ -196,6 +196,14 @@
 //! BadArgument / an empty map. ABI 0.1.0/0.2.0-only imports are not provided (as in Envoy for a
 //! 0.2.1 module).
 //!
+//! # Fault injection
+//!
+//! [`Host::inject_fault`] makes any `env.proxy_*` import ([`PROXY_IMPORTS`]) answer any status
+//! ([`Fault`]: every call, the k-th call, or from the k-th call on, counted over all VMs) without
+//! doing its work, as a host that refuses the call would; [`Host::hostcall_count`] counts each
+//! import's calls. A filter that traps on such a status shows as [`HostError::Trap`] and
+//! [`Host::failure`]. The startup guard comes first: a call refused during `_initialize` still traps.
+//!
 //! # Safety against the guest
 //!
 //! The guest is untrusted input. Every pointer/size pair is checked against its linear memory
@@ -218,6 +226,7 @@
 
 pub mod abi;
 mod error;
+mod faults;
 mod filter;
 mod flow;
 mod headers;
@@ -228,6 +237,7 @@ mod types;
 
 pub use abi::{Action, LogLevel, Status};
 pub use error::HostError;
+pub use faults::{Fault, PROXY_IMPORTS};
 pub use filter::{kvroute_filter_wasm_path, FILTER_NO_BUILD_ENV, FILTER_WASM_ENV};
 pub use headers::HeaderMap;
 pub use host::{

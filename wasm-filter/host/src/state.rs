@@ -130,6 +130,8 @@ pub(crate) struct Shared {
     pub(crate) metrics: HashMap<(MetricKind, String), MetricSlot>,
     pub(crate) histogram_cap: usize,
     pub(crate) random_state: u64,
+    /// Injected hostcall faults and per-import call counts.
+    pub(crate) faults: crate::faults::Faults,
 }
 
 #[derive(Debug, Default)]

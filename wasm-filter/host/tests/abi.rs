@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use guest::{bytes_at, journal, logs, module, slot, slot64, slots};
 use kvroute_wasm_host::{
-    CalloutReply, CalloutRequest, FlowState, HeaderMap, Host, HostError, HttpMessage, LogLevel, MetricValue, VmConfig,
-    VmId, DEFAULT_START_TIME_NS,
+    CalloutReply, CalloutRequest, Fault, FlowState, HeaderMap, Host, HostError, HttpMessage, LogLevel, MetricValue,
+    Status, VmConfig, VmId, DEFAULT_START_TIME_NS, PROXY_IMPORTS,
 };
 
 fn start(host: &mut Host, wat: &str, config: VmConfig) -> VmId {
@@ -1030,5 +1030,48 @@ fn fuel_stops_a_runaway_guest() {
     match host.send_request_headers(s, request_headers(), true) {
         Err(HostError::Trap { message, .. }) => assert!(message.contains("fuel"), "{message}"),
         other => panic!("{other:?}"),
+    }
+}
+
+// ---- fault injection ----
+
+#[test]
+fn injected_faults_answer_their_status_on_the_selected_calls_and_do_nothing() {
+    let mut host = Host::new().unwrap();
+    let wat = module(
+        &[("xa", b"x-a"), ("one", b"1")],
+        r#"(func (export "proxy_on_request_headers") (param $c i32) (param $n i32) (param $e i32) (result i32)
+             (call $rec (i32.const 0) (call $proxy_get_current_time_nanoseconds (i32.const 0)))
+             (call $rec (i32.const 1) (call $proxy_get_current_time_nanoseconds (i32.const 0)))
+             (call $rec (i32.const 2) (call $proxy_get_current_time_nanoseconds (i32.const 0)))
+             (call $rec (i32.const 3) (call $proxy_add_header_map_value (i32.const 0) {xa} {one}))
+             (call $rec (i32.const 4) (call $proxy_log (i32.const 2) {one}))
+             (i32.const 0))"#,
+    );
+    let vm = start(&mut host, &wat, VmConfig::new());
+    assert!(matches!(
+        host.inject_fault("proxy_nope", Fault::status(Status::NotFound)),
+        Err(HostError::UnknownImport(n)) if n == "proxy_nope"
+    ));
+    host.inject_fault("proxy_get_current_time_nanoseconds", Fault::status(Status::InternalFailure).nth(2)).unwrap();
+    host.inject_fault("proxy_add_header_map_value", Fault::status(Status::BadArgument)).unwrap();
+    host.inject_fault("proxy_log", Fault::code_of(99)).unwrap();
+    let s = host.new_stream(vm).unwrap();
+    host.send_request_headers(s, request_headers(), true).unwrap();
+    assert_eq!(slots(&host, vm, 5), [0, 10, 0, 2, 99]);
+    assert_eq!(host.stream(s).unwrap().upstream_headers().unwrap().get("x-a"), None, "a faulted call does nothing");
+    assert!(host.logs().is_empty(), "a faulted proxy_log logs nothing");
+    assert_eq!(host.hostcall_count("proxy_get_current_time_nanoseconds"), 3);
+    assert_eq!(host.faults_fired("proxy_get_current_time_nanoseconds"), 1);
+    // Removed, the calls work again.
+    host.clear_faults();
+    let s = host.new_stream(vm).unwrap();
+    host.send_request_headers(s, request_headers(), true).unwrap();
+    assert_eq!(slots(&host, vm, 5), [0, 0, 0, 0, 0]);
+    assert_eq!(host.stream(s).unwrap().upstream_headers().unwrap().get("x-a"), Some("1"));
+    assert_eq!(host.faults_fired("proxy_add_header_map_value"), 1);
+    assert!(host.abi_violations().is_empty());
+    for name in PROXY_IMPORTS {
+        host.inject_fault(name, Fault::status(Status::NotFound)).unwrap();
     }
 }
