@@ -42,6 +42,24 @@ pub const DEFAULT_EVENT_MAX_BODY_BYTES: usize = 8 << 20;
 pub const DEFAULT_REJECT_STATUS: u16 = 503;
 /// Header carrying the decision as JSON when `debug_decision_header` is on.
 pub const HEADER_DECISION: &str = "x-kvroute-decision";
+/// Header carrying the fail-open reason on the upstream request (or the local reject answer).
+pub const HEADER_FALLBACK: &str = "x-kvroute-fallback";
+/// Prefix of every kvroute header: the filter removes each request header with it (the event
+/// protocol's included) before a request goes upstream, then sets its own.
+pub const KVROUTE_HEADER_PREFIX: &str = "x-kvroute-";
+/// Every header the filter sets on a request it routes (and so a client must never set itself):
+/// the destination and prefiller that Envoy and the engine act on, and the kvroute outputs.
+/// `wasm-filter/envoy.yaml` removes each of them with a native filter before the wasm filter
+/// runs, so that a missing or trapped VM cannot let a client's own header choose the upstream.
+pub const ROUTING_HEADERS: [&str; 7] = [
+    kvroute::decision::HEADER_DESTINATION,
+    kvroute::decision::HEADER_PREFILLER,
+    kvroute::decision::HEADER_MODE,
+    kvroute::decision::HEADER_SCORE,
+    kvroute::decision::HEADER_SHED_REASON,
+    HEADER_DECISION,
+    HEADER_FALLBACK,
+];
 
 /// A configuration that could not be used (the filter keeps the previous one, if any).
 #[derive(Debug, Clone, PartialEq, Eq)]

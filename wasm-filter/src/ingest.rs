@@ -30,6 +30,11 @@ pub const HEADER_SEQ: &str = "x-kvroute-seq";
 pub const HEADER_TOPIC: &str = "x-kvroute-topic";
 /// Header with the kind of post: `batch` or `resync`.
 pub const HEADER_KIND: &str = "x-kvroute-kind";
+/// Header with the post's signature: HMAC-SHA256 keyed by the shared secret (see
+/// [`signature`]), lowercase hex.
+pub const HEADER_SIGNATURE: &str = "x-kvroute-signature";
+/// Header with the time the relay signed the post (UNIX milliseconds, decimal).
+pub const HEADER_TIMESTAMP: &str = "x-kvroute-timestamp";
 
 /// Compare two byte strings in time that depends only on their lengths (never on where they
 /// differ). Both are first reduced to SHA-256 digests, so even the length of the secret does not
