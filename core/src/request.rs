@@ -267,7 +267,7 @@ impl ChatMessages {
         self.iter().nth(i)
     }
 
-    /// Owned copies of the messages (e.g. for [`crate::tokenize::Tokenizer::render_chat`]).
+    /// Owned copies of the messages (what the `tokenizer` feature's `Tokenizer::render_chat` takes).
     pub fn to_vec(&self) -> Vec<ChatMessage> {
         self.iter().map(|m| m.to_message()).collect()
     }
