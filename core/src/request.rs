@@ -171,12 +171,215 @@ impl ChatMessage {
     }
 }
 
+/// A borrowed view of one message in [`ChatMessages`]. `None` fields are absent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChatMessageRef<'a> {
+    /// `system`, `user`, `assistant`, `tool`, …
+    pub role: &'a str,
+    /// Text content (see [`ChatMessage::content`]).
+    pub content: Option<&'a str>,
+    /// `name`.
+    pub name: Option<&'a str>,
+    /// `tool_calls` (JSON text, as the client sent it).
+    pub tool_calls: Option<&'a str>,
+    /// `tool_call_id`.
+    pub tool_call_id: Option<&'a str>,
+    /// `reasoning_content`.
+    pub reasoning_content: Option<&'a str>,
+}
+
+impl ChatMessageRef<'_> {
+    /// An owned copy.
+    pub fn to_message(&self) -> ChatMessage {
+        ChatMessage {
+            role: self.role.to_owned(),
+            content: self.content.map(str::to_owned),
+            name: self.name.map(str::to_owned),
+            tool_calls: self.tool_calls.map(|t| RawJson(t.into())),
+            tool_call_id: self.tool_call_id.map(str::to_owned),
+            reasoning_content: self.reasoning_content.map(str::to_owned),
+        }
+    }
+}
+
+/// A chat's messages in two buffers: every field's text one after the other, and per message a
+/// byte saying which optional fields it has followed by the lengths of its role and of each
+/// field it has (LEB128). A message costs its text plus a few bytes, never a struct of heap
+/// strings: a body of many tiny messages stays about its own size (wasm linear memory never
+/// shrinks, so a filter keeps whatever a request made it allocate).
+///
+/// Read it with [`ChatMessages::iter`] (borrowed views) or [`ChatMessages::to_vec`] (what the
+/// tokenizer takes); build it from [`ChatMessage`]s with `collect` or `From`.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ChatMessages {
+    text: String,
+    shape: Vec<u8>,
+    len: usize,
+}
+
+const HAS_CONTENT: u8 = 1;
+const HAS_NAME: u8 = 2;
+const HAS_TOOL_CALLS: u8 = 4;
+const HAS_TOOL_CALL_ID: u8 = 8;
+const HAS_REASONING: u8 = 16;
+
+impl ChatMessages {
+    /// No messages.
+    pub fn new() -> ChatMessages {
+        ChatMessages::default()
+    }
+
+    /// Number of messages.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no messages.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Appends a message.
+    pub fn push(&mut self, m: ChatMessageRef<'_>) {
+        let fields = [
+            (HAS_CONTENT, m.content),
+            (HAS_NAME, m.name),
+            (HAS_TOOL_CALLS, m.tool_calls),
+            (HAS_TOOL_CALL_ID, m.tool_call_id),
+            (HAS_REASONING, m.reasoning_content),
+        ];
+        self.shape.push(fields.iter().filter(|(_, f)| f.is_some()).fold(0, |a, (bit, _)| a | bit));
+        for t in std::iter::once(m.role).chain(fields.iter().filter_map(|(_, f)| *f)) {
+            put_len(&mut self.shape, t.len());
+            self.text.push_str(t);
+        }
+        self.len += 1;
+    }
+
+    /// The messages, in order.
+    pub fn iter(&self) -> ChatMessagesIter<'_> {
+        ChatMessagesIter { msgs: self, shape: 0, text: 0 }
+    }
+
+    /// Message `i` (found by walking the messages before it).
+    pub fn get(&self, i: usize) -> Option<ChatMessageRef<'_>> {
+        self.iter().nth(i)
+    }
+
+    /// Owned copies of the messages (what the `tokenizer` feature's `Tokenizer::render_chat` takes).
+    pub fn to_vec(&self) -> Vec<ChatMessage> {
+        self.iter().map(|m| m.to_message()).collect()
+    }
+
+    fn shrink_to_fit(&mut self) {
+        self.text.shrink_to_fit();
+        self.shape.shrink_to_fit();
+    }
+}
+
+impl fmt::Debug for ChatMessages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl<'a> IntoIterator for &'a ChatMessages {
+    type Item = ChatMessageRef<'a>;
+    type IntoIter = ChatMessagesIter<'a>;
+    fn into_iter(self) -> ChatMessagesIter<'a> {
+        self.iter()
+    }
+}
+
+impl ChatMessage {
+    /// A borrowed view.
+    pub fn as_ref(&self) -> ChatMessageRef<'_> {
+        ChatMessageRef {
+            role: &self.role,
+            content: self.content.as_deref(),
+            name: self.name.as_deref(),
+            tool_calls: self.tool_calls.as_ref().map(RawJson::as_str),
+            tool_call_id: self.tool_call_id.as_deref(),
+            reasoning_content: self.reasoning_content.as_deref(),
+        }
+    }
+}
+
+impl<'a> FromIterator<&'a ChatMessage> for ChatMessages {
+    fn from_iter<I: IntoIterator<Item = &'a ChatMessage>>(iter: I) -> ChatMessages {
+        let mut out = ChatMessages::new();
+        for m in iter {
+            out.push(m.as_ref());
+        }
+        out
+    }
+}
+
+impl FromIterator<ChatMessage> for ChatMessages {
+    fn from_iter<I: IntoIterator<Item = ChatMessage>>(iter: I) -> ChatMessages {
+        let mut out = ChatMessages::new();
+        for m in iter {
+            out.push(m.as_ref());
+        }
+        out
+    }
+}
+
+impl From<&[ChatMessage]> for ChatMessages {
+    fn from(msgs: &[ChatMessage]) -> ChatMessages {
+        msgs.iter().collect()
+    }
+}
+
+impl From<Vec<ChatMessage>> for ChatMessages {
+    fn from(msgs: Vec<ChatMessage>) -> ChatMessages {
+        msgs.iter().collect()
+    }
+}
+
+/// Iterator over [`ChatMessages`].
+#[derive(Debug, Clone)]
+pub struct ChatMessagesIter<'a> {
+    msgs: &'a ChatMessages,
+    shape: usize,
+    text: usize,
+}
+
+impl<'a> ChatMessagesIter<'a> {
+    fn field(&mut self) -> Option<&'a str> {
+        let n = get_len(&self.msgs.shape, &mut self.shape)?;
+        let t = self.msgs.text.get(self.text..self.text.checked_add(n)?)?;
+        self.text += n;
+        Some(t)
+    }
+}
+
+impl<'a> Iterator for ChatMessagesIter<'a> {
+    type Item = ChatMessageRef<'a>;
+
+    fn next(&mut self) -> Option<ChatMessageRef<'a>> {
+        let flags = *self.msgs.shape.get(self.shape)?;
+        self.shape += 1;
+        let role = self.field()?;
+        let mut opt = |bit: u8| if flags & bit != 0 { self.field().map(Some) } else { Some(None) };
+        Some(ChatMessageRef {
+            role,
+            content: opt(HAS_CONTENT)?,
+            name: opt(HAS_NAME)?,
+            tool_calls: opt(HAS_TOOL_CALLS)?,
+            tool_call_id: opt(HAS_TOOL_CALL_ID)?,
+            reasoning_content: opt(HAS_REASONING)?,
+        })
+    }
+}
+
 /// A chat request's inputs to the model's chat template (kept so a tokenizer can produce the
 /// engine's exact token ids).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatInput {
     /// The messages.
-    pub messages: Vec<ChatMessage>,
+    pub messages: ChatMessages,
     /// `tools`, as sent.
     pub tools: Option<RawJson>,
     /// `chat_template_kwargs` (vLLM), name → value.
@@ -414,14 +617,14 @@ impl RouteRequest {
                 None => return Err(RequestError::field("prompt", "missing (required for /v1/completions)")),
             },
             Api::ChatCompletions => match raw.messages {
-                Some(msgs) if msgs.is_empty() => return Err(RequestError::field("messages", "must not be empty")),
+                Some(msgs) if msgs.msgs.is_empty() => return Err(RequestError::field("messages", "must not be empty")),
                 Some(msgs) => {
                     let kwargs = [raw.mm_processor_kwargs.as_deref(), raw.media_io_kwargs.as_deref()];
                     let r = render_chat(&msgs, raw.tools.as_deref(), kwargs);
                     (key_limit, media_keys, media_parts) = (r.limit, r.media_keys, r.media_parts);
                     let prompt = Prompt::Text(r.bytes);
                     let chat = ChatInput {
-                        messages: msgs.into_iter().map(|ObjectOnly(m)| m.into_message()).collect(),
+                        messages: msgs.msgs,
                         tools: raw.tools.as_deref().map(|t| RawJson(t.get().into())),
                         chat_template_kwargs: raw
                             .chat_template_kwargs
@@ -543,7 +746,7 @@ impl HeaderValues {
 struct RawBody {
     model: Option<String>,
     prompt: Option<RawPrompt>,
-    messages: Option<Vec<ObjectOnly<RawMessage>>>,
+    messages: Option<RawMessages>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
     cache_salt: Option<String>,
@@ -612,35 +815,152 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
     }
 }
 
+/// `messages`, read one message at a time straight into [`ChatMessages`] (no list of parsed
+/// messages in between), with what rendering needs of the media messages.
+struct RawMessages {
+    msgs: ChatMessages,
+    /// The messages holding media parts.
+    media: MediaList,
+}
+
+/// A message holding media parts (content parts vLLM does not read as text).
+struct MediaMessage<'a> {
+    /// Its index in `messages`.
+    index: usize,
+    /// Its content as rendered: the parts joined with `\n`, text parts as their text, media
+    /// parts as a 0x1e marker.
+    rendered: &'a [u8],
+    /// Its media parts.
+    parts: u32,
+    /// The hash of its parts (see [`media_key`]) when every media part has a stable identity.
+    identity: Option<u128>,
+}
+
+/// The media messages of a chat, in order, packed as the messages are (see [`ChatMessages`]):
+/// per message its index, rendering length and media parts (LEB128) and a byte saying whether
+/// the 16 bytes of its identity follow; the renderings one after the other.
+#[derive(Default)]
+struct MediaList {
+    shape: Vec<u8>,
+    text: Vec<u8>,
+}
+
+impl MediaList {
+    fn push(&mut self, m: MediaMessage<'_>) {
+        for n in [m.index, m.rendered.len(), m.parts as usize] {
+            put_len(&mut self.shape, n);
+        }
+        match m.identity {
+            Some(h) => {
+                self.shape.push(1);
+                self.shape.extend_from_slice(&h.to_le_bytes());
+            }
+            None => self.shape.push(0),
+        }
+        self.text.extend_from_slice(m.rendered);
+    }
+
+    fn iter(&self) -> impl Iterator<Item = MediaMessage<'_>> {
+        let (mut at, mut text) = (0usize, 0usize);
+        std::iter::from_fn(move || {
+            let index = get_len(&self.shape, &mut at)?;
+            let len = get_len(&self.shape, &mut at)?;
+            let parts = u32::try_from(get_len(&self.shape, &mut at)?).ok()?;
+            let identity = match self.shape.get(at)? {
+                0 => None,
+                _ => {
+                    let h = self.shape.get(at + 1..at + 17)?;
+                    at += 16;
+                    Some(u128::from_le_bytes(h.try_into().ok()?))
+                }
+            };
+            at += 1;
+            let rendered = self.text.get(text..text.checked_add(len)?)?;
+            text += len;
+            Some(MediaMessage { index, rendered, parts, identity })
+        })
+    }
+}
+
+/// Appends `n` as LEB128.
+fn put_len(out: &mut Vec<u8>, mut n: usize) {
+    while n >= 0x80 {
+        out.push((n as u8 & 0x7f) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+/// Reads a LEB128 number written by [`put_len`] at `at`, moving `at` past it.
+fn get_len(bytes: &[u8], at: &mut usize) -> Option<usize> {
+    let mut n = 0usize;
+    for shift in (0..usize::BITS).step_by(7) {
+        let b = *bytes.get(*at)?;
+        *at += 1;
+        n |= usize::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Some(n);
+        }
+    }
+    None
+}
+
+impl<'de> Deserialize<'de> for RawMessages {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawMessages;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a sequence")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawMessages, A::Error> {
+                let mut out = RawMessages { msgs: ChatMessages::new(), media: MediaList::default() };
+                while let Some(ObjectOnly(m)) = seq.next_element::<ObjectOnly<RawMessage<'de>>>()? {
+                    let content = match m.content {
+                        RawContent::None => None,
+                        RawContent::Text(t) => Some(t),
+                        RawContent::Parts(p) => {
+                            if p.media > 0 {
+                                out.media.push(MediaMessage {
+                                    index: out.msgs.len(),
+                                    rendered: &p.rendered,
+                                    parts: p.media,
+                                    identity: p.identity.map(|h| h.digest128()),
+                                });
+                            }
+                            Some(std::borrow::Cow::Owned(p.text))
+                        }
+                    };
+                    out.msgs.push(ChatMessageRef {
+                        role: &m.role,
+                        content: content.as_deref(),
+                        name: m.name.as_deref(),
+                        tool_calls: m.tool_calls.as_deref().map(serde_json::value::RawValue::get),
+                        tool_call_id: m.tool_call_id.as_deref(),
+                        reasoning_content: m.reasoning_content.as_deref(),
+                    });
+                }
+                out.msgs.shrink_to_fit();
+                out.media.shape.shrink_to_fit();
+                out.media.text.shrink_to_fit();
+                Ok(out)
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// One message as read, borrowing from the body where JSON escapes allow.
 #[derive(Deserialize)]
-struct RawMessage {
-    role: String,
-    #[serde(default)]
-    content: RawContent,
+struct RawMessage<'a> {
+    #[serde(borrow)]
+    role: std::borrow::Cow<'a, str>,
+    #[serde(default, borrow)]
+    content: RawContent<'a>,
     name: Option<String>,
     tool_calls: Option<Box<serde_json::value::RawValue>>,
     tool_call_id: Option<String>,
     reasoning_content: Option<String>,
-}
-
-impl RawMessage {
-    fn into_message(self) -> ChatMessage {
-        let content = match self.content {
-            RawContent::None => None,
-            RawContent::Text(t) => Some(t),
-            // The text parts joined as vLLM joins them; media parts cannot be rendered here (see
-            // `RouteRequest::key_limit`, which ends the keys before this message's content).
-            RawContent::Parts(parts) => Some(parts.iter().filter_map(part_text).collect::<Vec<_>>().join("\n")),
-        };
-        ChatMessage {
-            role: self.role,
-            content,
-            name: self.name,
-            tool_calls: self.tool_calls.map(|t| RawJson(t.get().into())),
-            tool_call_id: self.tool_call_id,
-            reasoning_content: self.reasoning_content,
-        }
-    }
 }
 
 fn parse_body(body: &[u8]) -> Result<RawBody, RequestError> {
@@ -850,62 +1170,126 @@ impl<'de> Deserialize<'de> for TokenId {
 
 /// Message content: absent/null, a string, or an array of content parts.
 #[derive(Default)]
-enum RawContent {
+enum RawContent<'a> {
     #[default]
     None,
-    Text(String),
-    Parts(Vec<serde_json::Value>),
+    Text(std::borrow::Cow<'a, str>),
+    Parts(Parts),
 }
 
-impl<'de> Deserialize<'de> for RawContent {
+/// Content parts, as read: the text parts joined, and what rendering needs of the media parts.
+/// Each part is dropped once read, so a long list of parts costs its text and no more.
+struct Parts {
+    /// The text parts joined with `\n`, as vLLM joins them for templates that take string
+    /// content (media parts cannot be rendered here: see `RouteRequest::key_limit`).
+    text: String,
+    /// The rendering (see [`MediaMessage::rendered`]), built only once a media part shows up.
+    rendered: Vec<u8>,
+    /// Text parts.
+    text_parts: usize,
+    /// Media parts.
+    media: u32,
+    /// The parts' hash so far while every media part has a stable identity (see [`media_key`]).
+    identity: Option<Box<xxhash_rust::xxh3::Xxh3>>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for RawContent<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = RawContent;
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = RawContent<'a>;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a string, an array of content parts, or null")
             }
-            fn visit_unit<E: de::Error>(self) -> Result<RawContent, E> {
+            fn visit_unit<E: de::Error>(self) -> Result<RawContent<'a>, E> {
                 Ok(RawContent::None)
             }
-            fn visit_none<E: de::Error>(self) -> Result<RawContent, E> {
+            fn visit_none<E: de::Error>(self) -> Result<RawContent<'a>, E> {
                 Ok(RawContent::None)
             }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawContent, E> {
-                Ok(RawContent::Text(v.to_owned()))
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<RawContent<'a>, E> {
+                Ok(RawContent::Text(std::borrow::Cow::Borrowed(v)))
             }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<RawContent, E> {
-                Ok(RawContent::Text(v))
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawContent<'a>, E> {
+                Ok(RawContent::Text(std::borrow::Cow::Owned(v.to_owned())))
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawContent, A::Error> {
-                let mut parts = Vec::new();
+            fn visit_string<E: de::Error>(self, v: String) -> Result<RawContent<'a>, E> {
+                Ok(RawContent::Text(std::borrow::Cow::Owned(v)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawContent<'a>, A::Error> {
+                let mut out = Parts {
+                    text: String::new(),
+                    rendered: Vec::new(),
+                    text_parts: 0,
+                    media: 0,
+                    identity: Some(Box::new(xxhash_rust::xxh3::Xxh3::new())),
+                };
+                let mut n = 0usize;
                 while let Some(p) = seq.next_element::<serde_json::Value>()? {
                     match &p {
                         serde_json::Value::Object(m) => match m.get("type") {
                             Some(serde_json::Value::String(t)) if t == "text" => {
                                 if !matches!(m.get("text"), Some(serde_json::Value::String(_))) {
                                     return Err(de::Error::custom(format!(
-                                        "content part {} of type \"text\" needs a string `text`",
-                                        parts.len()
+                                        "content part {n} of type \"text\" needs a string `text`"
                                     )));
                                 }
                             }
                             Some(serde_json::Value::String(_)) => {}
-                            _ => {
-                                return Err(de::Error::custom(format!(
-                                    "content part {} needs a string `type`",
-                                    parts.len()
-                                )))
-                            }
+                            _ => return Err(de::Error::custom(format!("content part {n} needs a string `type`"))),
                         },
-                        _ => return Err(de::Error::custom(format!("content part {} must be an object", parts.len()))),
+                        _ => return Err(de::Error::custom(format!("content part {n} must be an object"))),
                     }
-                    parts.push(p);
+                    out.add(n, &p);
+                    n += 1;
                 }
-                Ok(RawContent::Parts(parts))
+                if out.media == 0 {
+                    out.identity = None;
+                }
+                Ok(RawContent::Parts(out))
             }
         }
-        d.deserialize_any(V)
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+impl Parts {
+    /// Adds part `n`.
+    fn add(&mut self, n: usize, p: &serde_json::Value) {
+        if self.media > 0 && n > 0 {
+            self.rendered.push(b'\n');
+        }
+        match part_text(p) {
+            Some(t) => {
+                if self.text_parts > 0 {
+                    self.text.push('\n');
+                }
+                self.text.push_str(t);
+                self.text_parts += 1;
+                if self.media > 0 {
+                    self.rendered.extend_from_slice(t.as_bytes());
+                }
+            }
+            None => {
+                if self.media == 0 {
+                    // The first media part: every part before it is text, so the rendering so
+                    // far is the text so far.
+                    self.rendered = self.text.as_bytes().to_vec();
+                    if n > 0 {
+                        self.rendered.push(b'\n');
+                    }
+                }
+                // Media are never rendered: a marker keeps the length honest.
+                self.rendered.push(0x1e);
+                self.media = self.media.saturating_add(1);
+                if !stable_identity(p) {
+                    self.identity = None;
+                }
+            }
+        }
+        if let Some(h) = &mut self.identity {
+            feed_part(h, p);
+        }
     }
 }
 
@@ -938,11 +1322,11 @@ fn stable_identity(p: &serde_json::Value) -> bool {
     }
 }
 
-/// The identity of a media message: its parts and the request's media kwargs.
-fn media_key(parts: &[serde_json::Value], kwargs: [Option<&serde_json::value::RawValue>; 2]) -> u64 {
-    /// Feeds serialized JSON to the hash without building the string (inline media are large).
-    struct Feed(xxhash_rust::xxh3::Xxh3);
-    impl std::io::Write for Feed {
+/// Feeds content part `p` to a media message's identity: its JSON (as `serde_json` writes it,
+/// without building the string: inline media are large), then 0x1e.
+fn feed_part(h: &mut xxhash_rust::xxh3::Xxh3, p: &serde_json::Value) {
+    struct Feed<'a>(&'a mut xxhash_rust::xxh3::Xxh3);
+    impl std::io::Write for Feed<'_> {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
             self.0.update(buf);
             Ok(buf.len())
@@ -951,13 +1335,16 @@ fn media_key(parts: &[serde_json::Value], kwargs: [Option<&serde_json::value::Ra
             Ok(())
         }
     }
-    let mut feed = Feed(xxhash_rust::xxh3::Xxh3::new());
-    for p in parts {
-        // Writing a parsed JSON value into a sink that never fails cannot fail.
-        let _ = serde_json::to_writer(&mut feed, p);
-        feed.0.update(&[0x1e]);
-    }
-    let mut h = feed.0;
+    // Writing a parsed JSON value into a sink that never fails cannot fail.
+    let _ = serde_json::to_writer(Feed(h), p);
+    h.update(&[0x1e]);
+}
+
+/// The identity of a media message: the 128-bit hash of its parts (fed with [`feed_part`]) and
+/// the request's media kwargs.
+fn media_key(parts: u128, kwargs: [Option<&serde_json::value::RawValue>; 2]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&parts.to_le_bytes());
     for k in kwargs {
         h.update(&[0x1f]);
         if let Some(k) = k {
@@ -977,83 +1364,64 @@ struct Rendered {
 }
 
 fn render_chat(
-    msgs: &[ObjectOnly<RawMessage>],
+    msgs: &RawMessages,
     tools: Option<&serde_json::value::RawValue>,
     media_kwargs: [Option<&serde_json::value::RawValue>; 2],
 ) -> Rendered {
-    let mut out = Vec::with_capacity(
-        msgs.iter()
-            .map(|ObjectOnly(m)| {
-                m.role.len()
-                    + 4
-                    + match &m.content {
-                        RawContent::Text(t) => t.len(),
-                        _ => 64,
-                    }
-            })
-            .sum(),
-    );
+    // The exact length, so the rendering is allocated once.
+    let mut media = msgs.media.iter().peekable();
+    let mut len = tools.map_or(0, |t| 8 + t.get().len());
+    for (i, m) in msgs.msgs.iter().enumerate() {
+        let content = match media.next_if(|x| x.index == i) {
+            Some(x) => x.rendered.len(),
+            None => m.content.map_or(0, str::len),
+        };
+        let opt = |f: Option<&str>| f.map_or(0, |f| 1 + f.len());
+        len += 3 + m.role.len() + opt(m.name) + content + opt(m.tool_calls) + opt(m.tool_call_id);
+    }
+    let mut out = Vec::with_capacity(len);
     let (mut limit, mut media_keys, mut first_media, mut media_parts) = (None::<KeyLimit>, Vec::new(), None, 0u32);
     if let Some(t) = tools {
         out.extend_from_slice(b"\x01tools\x02");
         out.extend_from_slice(t.get().as_bytes());
         out.push(0x03);
     }
-    for (i, ObjectOnly(m)) in msgs.iter().enumerate() {
+    let mut media = msgs.media.iter().peekable();
+    for (i, m) in msgs.msgs.iter().enumerate() {
         out.push(0x01);
         out.extend_from_slice(m.role.as_bytes());
-        if let Some(n) = &m.name {
+        if let Some(n) = m.name {
             out.push(0x1f);
             out.extend_from_slice(n.as_bytes());
         }
         out.push(0x02);
-        match &m.content {
-            RawContent::None => {}
-            RawContent::Text(t) => out.extend_from_slice(t.as_bytes()),
-            RawContent::Parts(parts) => {
+        match media.next_if(|x| x.index == i) {
+            None => out.extend_from_slice(m.content.unwrap_or("").as_bytes()),
+            Some(x) => {
                 let content_start = out.len();
-                let (mut media, mut all_stable) = (0u32, true);
-                for (j, p) in parts.iter().enumerate() {
-                    if j > 0 {
-                        out.push(b'\n');
-                    }
-                    match part_text(p) {
-                        Some(text) => out.extend_from_slice(text.as_bytes()),
-                        None => {
-                            // Media are never rendered: a marker keeps the length honest.
-                            out.push(0x1e);
-                            media = media.saturating_add(1);
-                            all_stable &= stable_identity(p);
-                        }
-                    }
-                }
-                if media > 0 {
-                    media_parts = media_parts.saturating_add(media);
-                    let first =
-                        first_media.get_or_insert(ChatMedia { message: i, rendered_at: content_start, parts: 0 });
-                    first.parts = first.parts.saturating_add(media);
-                    match &mut limit {
-                        Some(l) => l.media_parts = l.media_parts.saturating_add(media),
-                        None if all_stable => {
-                            media_keys.push(MediaKey { at: content_start, key: media_key(parts, media_kwargs) });
-                        }
-                        None => {
-                            limit = Some(KeyLimit {
-                                prompt: 0,
-                                keyed_len: content_start,
-                                message: Some(i),
-                                media_parts: media,
-                            });
-                        }
+                out.extend_from_slice(x.rendered);
+                media_parts = media_parts.saturating_add(x.parts);
+                let first = first_media.get_or_insert(ChatMedia { message: i, rendered_at: content_start, parts: 0 });
+                first.parts = first.parts.saturating_add(x.parts);
+                match (&mut limit, x.identity) {
+                    (Some(l), _) => l.media_parts = l.media_parts.saturating_add(x.parts),
+                    (None, Some(h)) => media_keys.push(MediaKey { at: content_start, key: media_key(h, media_kwargs) }),
+                    (None, None) => {
+                        limit = Some(KeyLimit {
+                            prompt: 0,
+                            keyed_len: content_start,
+                            message: Some(i),
+                            media_parts: x.parts,
+                        });
                     }
                 }
             }
         }
-        if let Some(tc) = &m.tool_calls {
+        if let Some(tc) = m.tool_calls {
             out.push(0x1f);
-            out.extend_from_slice(tc.get().as_bytes());
+            out.extend_from_slice(tc.as_bytes());
         }
-        if let Some(id) = &m.tool_call_id {
+        if let Some(id) = m.tool_call_id {
             out.push(0x1f);
             out.extend_from_slice(id.as_bytes());
         }
@@ -1133,7 +1501,7 @@ mod tests {
         assert_eq!(a.effective_max_tokens(), Some(7));
         assert_eq!(a.input_tokens(4), (s.len() as u64).div_ceil(4) + u64::from(MEDIA_PART_TOKENS));
         assert_eq!(a.unkeyed_tokens(4), (s.len() as u64 - head as u64).div_ceil(4) + u64::from(MEDIA_PART_TOKENS));
-        assert_eq!(a.chat.unwrap().messages[1].content.as_deref(), Some("hi"));
+        assert_eq!(a.chat.unwrap().messages.get(1).unwrap().content, Some("hi"));
     }
 
     #[test]
@@ -1168,7 +1536,7 @@ mod tests {
         .unwrap();
         let s = parse(r#"{"model":"m","messages":[{"role":"user","content":"a\nb"}]}"#, &[]).unwrap();
         assert_eq!((t.prompts.clone(), t.key_limit), (s.prompts, None));
-        assert_eq!(t.chat.unwrap().messages[0].content.as_deref(), Some("a\nb"));
+        assert_eq!(t.chat.unwrap().messages.get(0).unwrap().content, Some("a\nb"));
         // Two text parts are not one: "a","b" renders as "a\nb", not "ab".
         let ab = parse(r#"{"model":"m","messages":[{"role":"user","content":"ab"}]}"#, &[]).unwrap();
         assert_ne!(t.prompts, ab.prompts);
@@ -1183,6 +1551,48 @@ mod tests {
         assert_eq!(e.key_limit.map(|l| l.media_parts), Some(1));
         let e = parse(r#"{"model":"m","prompt":"x","prompt_embeds":5}"#, &[]).unwrap_err();
         assert!(matches!(&e, RequestError::Field { field, .. } if field == "prompt_embeds"), "{e:?}");
+    }
+
+    #[test]
+    fn chat_messages_are_packed_and_read_back() {
+        let mut tool = ChatMessage::new("tool", "é".repeat(200));
+        tool.tool_call_id = Some("call_1".into());
+        let mut asst = ChatMessage::without_content("assistant");
+        asst.name = Some("bot".into());
+        asst.tool_calls = Some(RawJson::new(r#"[{"id":"call_1","type":"function"}]"#).unwrap());
+        asst.reasoning_content = Some(String::new());
+        let all = vec![ChatMessage::new("", ""), asst, tool, ChatMessage::new("user", "x".repeat(70_000))];
+        let packed = ChatMessages::from(all.clone());
+        assert_eq!((packed.len(), packed.is_empty()), (4, false));
+        assert_eq!(packed.to_vec(), all);
+        assert_eq!(packed.get(2).map(|m| m.to_message()), Some(all[2].clone()));
+        assert_eq!(packed.get(4), None);
+        assert_eq!(packed, all.iter().collect::<ChatMessages>());
+        assert_ne!(packed, ChatMessages::from(&all[..3]));
+        assert!(ChatMessages::new().is_empty() && ChatMessages::new().iter().next().is_none());
+        assert!(format!("{packed:?}").contains("call_1"));
+    }
+
+    #[test]
+    fn chat_fields_are_read_as_sent() {
+        let r = parse(
+            r#"{"model":"m","messages":[{"role":"assistant","name":"n","content":null,"tool_calls":[ {"id":"c"} ],"reasoning_content":"r"},{"role":"tool","content":"caf\u00e9 \"q\"","tool_call_id":"c"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"data:x"}},{"type":"refusal","refusal":"b"}]}]}"#,
+            &[],
+        )
+        .unwrap();
+        let chat = r.chat.unwrap();
+        let m: Vec<_> = chat.messages.iter().collect();
+        assert_eq!((m[0].role, m[0].name, m[0].content), ("assistant", Some("n"), None));
+        assert_eq!((m[0].tool_calls, m[0].reasoning_content), (Some(r#"[ {"id":"c"} ]"#), Some("r")));
+        assert_eq!((m[1].content, m[1].tool_call_id), (Some("café \"q\""), Some("c")));
+        assert_eq!(m[2].content, Some("a\nb"), "text parts only");
+        let Prompt::Text(bytes) = &r.prompts[0] else { panic!() };
+        assert_eq!(
+            String::from_utf8_lossy(bytes),
+            "\u{1}assistant\u{1f}n\u{2}\u{1f}[ {\"id\":\"c\"} ]\u{3}\u{1}tool\u{2}café \"q\"\u{1f}c\u{3}\u{1}user\u{2}a\n\u{1e}\nb\u{3}"
+        );
+        assert_eq!(r.media_keys.len(), 1);
+        assert_eq!(chat.media.map(|m| (m.message, m.parts)), Some((2, 1)));
     }
 
     #[test]

@@ -1239,7 +1239,7 @@ impl Tokenizer {
     /// [`Tokenizer::keyable_token_ids`].
     pub fn request_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
         if let Some(chat) = &req.chat {
-            return Ok(vec![self.encode_chat_with(&chat.messages, &chat_options(chat))?]);
+            return Ok(vec![self.encode_chat_with(&chat.messages.to_vec(), &chat_options(chat))?]);
         }
         req.prompts
             .iter()
@@ -1266,7 +1266,7 @@ impl Tokenizer {
     pub fn keyable_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
         use crate::request::Prompt;
         if let Some((chat, at)) = req.chat.as_ref().and_then(|c| c.media.map(|m| (c, m.message))) {
-            let mut messages = chat.messages.clone();
+            let mut messages = chat.messages.to_vec();
             let Some(m) = messages.get_mut(at) else { return Ok(vec![Vec::new()]) };
             m.content = Some(KEY_LIMIT_SENTINEL.to_owned());
             let text = self.render_chat(&messages, &chat_options(chat))?;

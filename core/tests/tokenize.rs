@@ -642,7 +642,7 @@ fn media_chat(messages: &[(&str, &str)], at: usize, add_generation_prompt: bool)
 fn engine_ids(req: &kvroute::RouteRequest, content: &str) -> Vec<u32> {
     let chat = req.chat.as_ref().unwrap();
     let at = req.key_limit.unwrap().message.unwrap();
-    let mut msgs = chat.messages.clone();
+    let mut msgs = chat.messages.to_vec();
     msgs[at].content = Some(content.to_owned());
     let text = cached().render_chat(&msgs, &ChatOptions::new(chat.add_generation_prompt)).unwrap();
     cached().encode_uncached(&text, false).unwrap()
@@ -670,7 +670,7 @@ fn keyable_ids_end_before_the_media_messages_content() {
         }
         // Exactly one token short of the rendering before the content (the boundary token).
         let chat = req.chat.as_ref().unwrap();
-        let mut msgs = chat.messages.clone();
+        let mut msgs = chat.messages.to_vec();
         msgs[at].content = Some("\u{1}".to_owned());
         let text = cached().render_chat(&msgs, &ChatOptions::new(true)).unwrap();
         let before = &text[..text.find('\u{1}').unwrap()];

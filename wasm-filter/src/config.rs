@@ -38,10 +38,32 @@ pub const MAX_RING_ENTRIES: u32 = 1 << 20;
 pub const MIN_SECRET_BYTES: usize = 16;
 /// Default largest accepted event batch body (bytes).
 pub const DEFAULT_EVENT_MAX_BODY_BYTES: usize = 8 << 20;
+/// Default largest difference between a signed event post's timestamp and the filter's clock (ms).
+pub const DEFAULT_SIGNATURE_WINDOW_MS: u64 = 30_000;
+/// Header carrying the stats page's secret (`filter.stats_secret`).
+pub const HEADER_STATS_SECRET: &str = "x-kvroute-stats-secret";
 /// Default status of the local reply when fail-open is disabled and the filter cannot route.
 pub const DEFAULT_REJECT_STATUS: u16 = 503;
 /// Header carrying the decision as JSON when `debug_decision_header` is on.
 pub const HEADER_DECISION: &str = "x-kvroute-decision";
+/// Header carrying the fail-open reason on the upstream request (or the local reject answer).
+pub const HEADER_FALLBACK: &str = "x-kvroute-fallback";
+/// Prefix of every kvroute header: the filter removes each request header with it (the event
+/// protocol's included) before a request goes upstream, then sets its own.
+pub const KVROUTE_HEADER_PREFIX: &str = "x-kvroute-";
+/// Every header the filter sets on a request it routes (and so a client must never set itself):
+/// the destination and prefiller that Envoy and the engine act on, and the kvroute outputs.
+/// `wasm-filter/envoy.yaml` removes each of them with a native filter before the wasm filter
+/// runs, so that a missing or trapped VM cannot let a client's own header choose the upstream.
+pub const ROUTING_HEADERS: [&str; 7] = [
+    kvroute::decision::HEADER_DESTINATION,
+    kvroute::decision::HEADER_PREFILLER,
+    kvroute::decision::HEADER_MODE,
+    kvroute::decision::HEADER_SCORE,
+    kvroute::decision::HEADER_SHED_REASON,
+    HEADER_DECISION,
+    HEADER_FALLBACK,
+];
 
 /// A configuration that could not be used (the filter keeps the previous one, if any).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,8 +110,8 @@ fn yes() -> bool {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsPolling {
-    /// Envoy cluster the callouts go through: an ORIGINAL_DST cluster keyed by
-    /// `x-gateway-destination-endpoint` (the routing cluster itself works).
+    /// Envoy cluster the callouts go through: a cluster of the fleet whose override-host policy
+    /// follows `x-gateway-destination-endpoint` (the routing cluster itself works).
     pub cluster: String,
     /// Path of the metrics page. Default `/metrics`.
     #[serde(default = "default_metrics_path")]
@@ -133,11 +155,26 @@ impl MetricsPolling {
 pub struct EventIngestion {
     /// Exact request path the filter answers itself (e.g. `/kvroute/v1/events`).
     pub path: String,
-    /// Shared secret, sent by the relay in `x-kvroute-secret` (at least 16 bytes).
+    /// Shared secret (at least 16 bytes): the key of the posts' HMAC-SHA256 signatures (see
+    /// `crate::ingest`).
     pub secret: String,
     /// Largest accepted batch (bytes). Default 8 MiB.
     #[serde(default = "default_event_max_body")]
     pub max_body_bytes: usize,
+    /// Largest difference between a post's signed timestamp and the filter's clock (ms), either
+    /// way; older (or later) posts are refused, so a captured post cannot be replayed after it.
+    /// Default 30 000.
+    #[serde(default = "default_signature_window")]
+    pub signature_window_ms: u64,
+    /// Also accept unsigned posts that carry the secret itself in `x-kvroute-secret` (the
+    /// protocol before signatures: a captured post can then be replayed with a new sequence
+    /// number). Default `false`.
+    #[serde(default)]
+    pub allow_unsigned: bool,
+}
+
+fn default_signature_window() -> u64 {
+    DEFAULT_SIGNATURE_WINDOW_MS
 }
 
 fn default_event_max_body() -> usize {
@@ -230,6 +267,11 @@ pub struct FilterSection {
     /// filter's counters, as seen by the VM that answers.
     #[serde(default)]
     pub stats_path: Option<String>,
+    /// When set (at least 16 bytes), the stats page is served only to requests carrying it in
+    /// `x-kvroute-stats-secret` (compared in constant time); others get 401. Absent: the page
+    /// is served to anyone who can reach the listener.
+    #[serde(default)]
+    pub stats_secret: Option<String>,
 }
 
 /// A validated plugin configuration.
@@ -307,12 +349,18 @@ impl PluginConfig {
             if e.max_body_bytes == 0 {
                 return Err(err("filter.events.max_body_bytes", "must be positive"));
             }
+            if e.signature_window_ms == 0 {
+                return Err(err("filter.events.signature_window_ms", "must be positive"));
+            }
         }
         if let Some(p) = &f.stats_path {
             check_path("filter.stats_path", p)?;
             if f.events.as_ref().is_some_and(|e| &e.path == p) {
                 return Err(err("filter.stats_path", "must differ from filter.events.path"));
             }
+        }
+        if f.stats_secret.as_ref().is_some_and(|s| s.len() < MIN_SECRET_BYTES) {
+            return Err(err("filter.stats_secret", format!("must be at least {MIN_SECRET_BYTES} bytes")));
         }
         if !(100..=599).contains(&f.fail_open.reject_status) {
             return Err(err("filter.fail_open.reject_status", "must be an HTTP status (100..599)"));
@@ -399,6 +447,11 @@ mod tests {
         );
         bad(r#"{"filter": {"endpoints": [], "metrics": {"cluster": "c", "path": "metrics"}}}"#, "filter.metrics.path");
         bad(r#"{"filter": {"endpoints": [], "events": {"path": "/e", "secret": "short"}}}"#, "filter.events.secret");
+        bad(
+            r#"{"filter": {"endpoints": [], "events": {"path": "/e", "secret": "0123456789abcdef", "signature_window_ms": 0}}}"#,
+            "filter.events.signature_window_ms",
+        );
+        bad(r#"{"filter": {"endpoints": [], "stats_path": "/s", "stats_secret": "short"}}"#, "filter.stats_secret");
         bad(r#"{"filter": {"endpoints": [], "sync": {"ring_entries": 2}}}"#, "filter.sync.ring_entries");
         bad(r#"{"filter": {"endpoints": [], "sync": {"namespace": ""}}}"#, "filter.sync.namespace");
         bad(r#"{"filter": {"endpoints": [], "fail_open": {"reject_status": 42}}}"#, "filter.fail_open.reject_status");

@@ -22,13 +22,13 @@ use kvroute::{
     StateError,
 };
 
-use crate::config::{path_only, PluginConfig, HEADER_DECISION};
+use crate::config::{
+    path_only, PluginConfig, HEADER_DECISION, HEADER_FALLBACK, HEADER_STATS_SECRET, KVROUTE_HEADER_PREFIX,
+    ROUTING_HEADERS,
+};
 use crate::counters::{Counter, Counters};
 use crate::ingest::{self, EventPost, PostKind};
 use crate::sync::{self, Entry, SharedLog, SharedStore, StoreError, VerdictCode};
-
-/// Header carrying the fail-open reason on the upstream request (or the local reject answer).
-const HEADER_FALLBACK: &str = "x-kvroute-fallback";
 
 fn log(level: LogLevel, msg: &str) {
     let _ = hostcalls::log(level, msg);
@@ -77,6 +77,8 @@ struct Active {
     /// Metric callouts in flight: token → (endpoint, dispatched at).
     polls: HashMap<u32, (String, u64)>,
     next_poll_ms: u64,
+    /// Event-post signatures this VM accepted within the timestamp window (replays are refused).
+    recent_signatures: ingest::RecentSignatures,
 }
 
 /// State shared by the root context and the HTTP contexts of one plugin instance in one VM.
@@ -272,6 +274,7 @@ impl Root {
                     cfg: cfg.clone(),
                     polls: HashMap::new(),
                     next_poll_ms: 0,
+                    recent_signatures: ingest::RecentSignatures::default(),
                 };
                 // Start from what the other VMs already know (the entries the ring retains).
                 a.sync(&self.shared, now);
@@ -487,10 +490,23 @@ enum Phase {
     Start,
     /// An inference request: buffering its body, headers paused.
     Buffering,
-    /// An event post: buffering its body.
-    Event(EventPost),
+    /// An event post: buffering its body (with its signature, to verify against the body).
+    Event(EventPost, Option<Signed>),
     /// Done with it (routed, answered locally, or passed through).
     Done,
+}
+
+/// The signature of an event post and the timestamp it covers.
+struct Signed {
+    signature: String,
+    timestamp_ms: u64,
+}
+
+/// Whether a request header name starts with `x-kvroute-` (any case).
+fn is_kvroute_header(name: &str) -> bool {
+    name.as_bytes()
+        .get(..KVROUTE_HEADER_PREFIX.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(KVROUTE_HEADER_PREFIX.as_bytes()))
 }
 
 /// One HTTP request.
@@ -502,13 +518,6 @@ struct Http {
     /// The request headers, read once in the headers callback (without the headers a client
     /// must not set); the decision reads them from here.
     headers: Vec<(String, String)>,
-}
-
-fn header(name: &str) -> Option<String> {
-    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
-        .map(|v| String::from_utf8_lossy(&v).into_owned())
 }
 
 fn set_header(name: &str, value: &str) -> bool {
@@ -673,27 +682,45 @@ impl Http {
 
     fn event_headers(&mut self, events: &crate::config::EventIngestion, end_of_stream: bool) -> Action {
         self.phase = Phase::Done;
-        if header(":method").as_deref() != Some("POST") {
+        if self.header(":method") != Some("POST") {
             self.shared.bump(Counter::EventRejected);
             json_reply(405, &ingest::error_body("method_not_allowed", "POST only"));
             return Action::Pause;
         }
-        let given = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, ingest::HEADER_SECRET)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        if !ingest::secret_matches(&given, events.secret.as_bytes()) {
-            self.shared.bump(Counter::EventUnauthorized);
-            log(LogLevel::Warn, "kvroute: event post with a wrong or missing secret");
-            json_reply(401, &ingest::error_body("unauthorized", "wrong or missing x-kvroute-secret"));
-            return Action::Pause;
-        }
-        let values: Vec<(&str, Option<String>)> =
-            [ingest::HEADER_ENDPOINT, ingest::HEADER_KIND, ingest::HEADER_SEQ, ingest::HEADER_TOPIC]
-                .into_iter()
-                .map(|n| (n, header(n)))
-                .collect();
-        let post = match ingest::parse_post(|n| values.iter().find(|(k, _)| *k == n).and_then(|(_, v)| v.as_deref())) {
+        let signed = match self.header(ingest::HEADER_SIGNATURE) {
+            Some(sig) => match ingest::parse_timestamp(self.header(ingest::HEADER_TIMESTAMP)) {
+                Ok(ts) if ingest::timestamp_fresh(ts, now_ms(), events.signature_window_ms) => {
+                    Some(Signed { signature: sig.to_owned(), timestamp_ms: ts })
+                }
+                Ok(ts) => {
+                    self.shared.bump(Counter::EventUnauthorized);
+                    log(LogLevel::Warn, &format!("kvroute: event post stamped {ts}, outside the signature window"));
+                    json_reply(401, &ingest::error_body("stale", "x-kvroute-timestamp outside the signature window"));
+                    return Action::Pause;
+                }
+                Err(detail) => {
+                    self.shared.bump(Counter::EventUnauthorized);
+                    json_reply(401, &ingest::error_body("unauthorized", &detail));
+                    return Action::Pause;
+                }
+            },
+            None => {
+                let given = self.header(ingest::HEADER_SECRET).unwrap_or_default();
+                if !events.allow_unsigned || !ingest::secret_matches(given.as_bytes(), events.secret.as_bytes()) {
+                    self.shared.bump(Counter::EventUnauthorized);
+                    log(LogLevel::Warn, "kvroute: event post without a valid signature");
+                    let detail = if events.allow_unsigned {
+                        "no x-kvroute-signature, and a wrong or missing x-kvroute-secret"
+                    } else {
+                        "x-kvroute-signature required"
+                    };
+                    json_reply(401, &ingest::error_body("unauthorized", detail));
+                    return Action::Pause;
+                }
+                None
+            }
+        };
+        let post = match ingest::parse_post(|n| self.header(n)) {
             Ok(p) => p,
             Err(detail) => {
                 self.shared.bump(Counter::EventRejected);
@@ -702,14 +729,14 @@ impl Http {
             }
         };
         if end_of_stream {
-            self.apply_post(&post, &[]);
+            self.apply_post(&post, signed.as_ref(), &[]);
         } else {
-            self.phase = Phase::Event(post);
+            self.phase = Phase::Event(post, signed);
         }
         Action::Pause
     }
 
-    fn apply_post(&mut self, post: &EventPost, body: &[u8]) {
+    fn apply_post(&mut self, post: &EventPost, signed: Option<&Signed>, body: &[u8]) {
         let now = now_ms();
         self.phase = Phase::Done;
         let Ok(mut slot) = self.shared.active.try_borrow_mut() else {
@@ -721,11 +748,39 @@ impl Http {
             json_reply(503, &ingest::error_body("unconfigured", "no configuration"));
             return;
         };
+        if let Some(sig) = signed {
+            let Some(events) = a.cfg.filter.events.as_ref() else {
+                drop(slot);
+                json_reply(503, &ingest::error_body("unconfigured", "no event ingestion"));
+                return;
+            };
+            let (kind, seq) = (post.kind.name(), post.kind.seq());
+            let secret = events.secret.as_bytes();
+            let refusal =
+                if !ingest::verify_signature(secret, &post.endpoint, kind, seq, sig.timestamp_ms, body, &sig.signature)
+                {
+                    Some(("unauthorized", "wrong x-kvroute-signature"))
+                } else if a.recent_signatures.is_replay(&sig.signature, now, events.signature_window_ms) {
+                    Some(("replayed", "this signature was already accepted"))
+                } else {
+                    None
+                };
+            if let Some((error, detail)) = refusal {
+                drop(slot);
+                self.shared.bump(Counter::EventUnauthorized);
+                log(LogLevel::Warn, &format!("kvroute: event post for {} refused: {detail}", post.endpoint));
+                json_reply(401, &ingest::error_body(error, detail));
+                return;
+            }
+        }
         a.sync(&self.shared, now);
         let endpoint = post.endpoint.as_str();
         match post.kind {
             PostKind::Resync => match a.router.resync_stream(endpoint, now) {
                 Ok(()) => {
+                    if let Some(sig) = signed {
+                        a.recent_signatures.record(&sig.signature, sig.timestamp_ms);
+                    }
                     a.append(&self.shared, &Entry::Resync { endpoint, now_ms: now });
                     drop(slot);
                     self.shared.bump(Counter::EventResyncs);
@@ -748,6 +803,9 @@ impl Http {
                 match a.router.apply_events(endpoint, body, seq, now) {
                     Ok(out) => {
                         let verdict = VerdictCode::of(&out.verdict);
+                        if let (Some(sig), VerdictCode::Applied | VerdictCode::Reset) = (signed, verdict) {
+                            a.recent_signatures.record(&sig.signature, sig.timestamp_ms);
+                        }
                         if verdict != VerdictCode::Duplicate {
                             a.append(
                                 &self.shared,
@@ -779,8 +837,15 @@ impl Http {
         }
     }
 
-    fn stats(&mut self) -> Action {
+    fn stats(&mut self, secret: Option<&str>) -> Action {
         self.phase = Phase::Done;
+        if let Some(secret) = secret {
+            let given = self.header(HEADER_STATS_SECRET).unwrap_or_default();
+            if !ingest::secret_matches(given.as_bytes(), secret.as_bytes()) {
+                json_reply(401, &ingest::error_body("unauthorized", "wrong or missing x-kvroute-stats-secret"));
+                return Action::Pause;
+            }
+        }
         self.shared.flush_metrics();
         let now = now_ms();
         let text = match self.shared.active.try_borrow_mut() {
@@ -818,7 +883,7 @@ impl Http {
             Err(s) => {
                 self.shared.bump(Counter::InternalErrors);
                 log(LogLevel::Warn, &format!("kvroute: reading the request body: {s:?}"));
-                if let Phase::Event(_) = self.phase {
+                if let Phase::Event(..) = self.phase {
                     // An event post never goes upstream.
                     self.phase = Phase::Done;
                     json_reply(503, &ingest::error_body("internal", "request body unreadable"));
@@ -829,8 +894,8 @@ impl Http {
         };
         match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Buffering => self.decide(&body),
-            Phase::Event(post) => {
-                self.apply_post(&post, &body);
+            Phase::Event(post, signed) => {
+                self.apply_post(&post, signed.as_ref(), &body);
                 Action::Pause
             }
             other => {
@@ -844,7 +909,7 @@ impl Http {
         let Ok(slot) = self.shared.active.try_borrow() else { return usize::MAX };
         let Some(a) = slot.as_ref() else { return usize::MAX };
         match self.phase {
-            Phase::Event(_) => a.cfg.filter.events.as_ref().map_or(usize::MAX, |e| e.max_body_bytes),
+            Phase::Event(..) => a.cfg.filter.events.as_ref().map_or(usize::MAX, |e| e.max_body_bytes),
             _ => a.router.policy().policy.config().request.max_body_bytes,
         }
     }
@@ -859,16 +924,19 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // A client must never choose the upstream itself (ORIGINAL_DST follows these headers).
-        const CLIENT_MUST_NOT_SET: [&str; 4] =
-            [decision::HEADER_DESTINATION, decision::HEADER_PREFILLER, decision::HEADER_MODE, HEADER_DECISION];
+        // A client must never choose the upstream itself (Envoy follows the destination header),
+        // and no x-kvroute-* header goes upstream, whatever the path (the event protocol's
+        // secret and signature included): they are removed from the request here, and the ones
+        // the filter reads (event posts, the core's own headers) are kept in `self.headers`.
         match hostcalls::get_map_bytes(MapType::HttpRequestHeaders) {
             Ok(pairs) => {
                 self.headers = Vec::with_capacity(pairs.len());
                 for (k, v) in pairs {
-                    if CLIENT_MUST_NOT_SET.contains(&k.as_str()) {
+                    let routing = ROUTING_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(&k));
+                    if routing || is_kvroute_header(&k) {
                         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &k, None);
-                    } else {
+                    }
+                    if !routing {
                         // Valid UTF-8 (the usual case) keeps the host's buffer: no copy.
                         let v =
                             String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
@@ -879,13 +947,28 @@ impl HttpContext for Http {
             Err(s) => {
                 self.shared.bump(Counter::InternalErrors);
                 log(LogLevel::Warn, &format!("kvroute: reading the request headers: {s:?}"));
-                for h in CLIENT_MUST_NOT_SET {
+                let event_headers = [
+                    ingest::HEADER_SECRET,
+                    ingest::HEADER_SIGNATURE,
+                    ingest::HEADER_TIMESTAMP,
+                    ingest::HEADER_ENDPOINT,
+                    ingest::HEADER_KIND,
+                    ingest::HEADER_SEQ,
+                    ingest::HEADER_TOPIC,
+                    HEADER_STATS_SECRET,
+                ];
+                for h in ROUTING_HEADERS.into_iter().chain(event_headers) {
                     let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, h, None);
                 }
                 // One by one, the headers that decide where the request belongs (event path,
                 // stats page, inference).
-                self.headers =
-                    [":path", ":method"].into_iter().filter_map(|k| header(k).map(|v| (k.to_owned(), v))).collect();
+                self.headers = [":path", ":method"]
+                    .into_iter()
+                    .filter_map(|k| {
+                        let v = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, k).ok().flatten()?;
+                        Some((k.to_owned(), String::from_utf8_lossy(&v).into_owned()))
+                    })
+                    .collect();
             }
         }
         // The configuration is shared (`Rc`): holding it costs no copy of its strings.
@@ -907,7 +990,7 @@ impl HttpContext for Http {
                 return self.event_headers(ev, end_of_stream);
             }
             if cfg.filter.stats_path.as_deref().is_some_and(|s| s == path) && self.header(":method") == Some("GET") {
-                return self.stats();
+                return self.stats(cfg.filter.stats_secret.as_deref());
             }
         }
         if end_of_stream {
@@ -932,11 +1015,11 @@ impl HttpContext for Http {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         match self.phase {
-            Phase::Buffering | Phase::Event(_) => {}
+            Phase::Buffering | Phase::Event(..) => {}
             _ => return Action::Continue,
         }
         if body_size > self.body_limit() {
-            if let Phase::Event(_) = self.phase {
+            if let Phase::Event(..) = self.phase {
                 self.phase = Phase::Done;
                 self.shared.bump(Counter::EventRejected);
                 json_reply(413, &ingest::error_body("too_large", "event batch over max_body_bytes"));
@@ -959,7 +1042,7 @@ impl HttpContext for Http {
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         match self.phase {
             // The body ended with trailers: it is all buffered now.
-            Phase::Buffering | Phase::Event(_) => self.body_done(usize::MAX),
+            Phase::Buffering | Phase::Event(..) => self.body_done(usize::MAX),
             _ => Action::Continue,
         }
     }

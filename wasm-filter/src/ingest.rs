@@ -2,13 +2,25 @@
 //! filter answers.
 //!
 //! Request: `POST <events.path>` with headers
-//! - `x-kvroute-secret`: the shared secret (compared in constant time);
 //! - `x-kvroute-endpoint`: the engine's endpoint id (`ip:port`, as in the filter's endpoint list);
 //! - `x-kvroute-kind`: `batch` (default) or `resync`;
 //! - `x-kvroute-seq`: the publisher's sequence number (decimal; absent = unnumbered), batches only;
-//! - `x-kvroute-topic`: the ZMQ topic (informational);
+//! - `x-kvroute-topic`: the ZMQ topic (informational, not signed);
+//! - `x-kvroute-timestamp`: when the relay signed the post (UNIX milliseconds, decimal);
+//! - `x-kvroute-signature`: [`signature`]: lowercase hex of HMAC-SHA256, keyed by the shared
+//!   secret, over [`signed_message`] (a version tag, endpoint, kind, sequence number, timestamp
+//!   and the SHA-256 of the body), so a captured post cannot be replayed with another sequence
+//!   number, endpoint or body, nor after the timestamp window;
 //!
-//! and, for a batch, the raw msgpack payload as published by the engine as the body.
+//! and, for a batch, the raw msgpack payload as published by the engine as the body. The secret
+//! itself never travels. The filter verifies the signature in constant time once the body is in,
+//! refuses a timestamp more than `events.signature_window_ms` (30 s) away from its clock, and
+//! refuses a signature whose post it applied within that window (a replayed resync or unnumbered
+//! batch; a replayed numbered batch is a `duplicate` by its sequence number anyway). Posts that
+//! changed nothing (gap, duplicate, errors) are not remembered: the relay may send the same bytes
+//! again after a resync. Only with
+//! `events.allow_unsigned: true` does the filter also take an unsigned post that carries the
+//! secret in `x-kvroute-secret` (compared in constant time; the protocol before signatures).
 //!
 //! Answers (JSON bodies):
 //! - `200 {"verdict":"applied"|"duplicate"|"reset","events":N,"blocks":N}`, or `200
@@ -17,10 +29,11 @@
 //!   relay replays from `expected` or POSTs a resync, then this batch again;
 //! - `400 {"error":"decode"|"bad_request","detail":…}`: the payload or a header is malformed
 //!   (nothing applied);
-//! - `401 {"error":"unauthorized"}`: wrong or missing secret (nothing applied);
+//! - `401 {"error":"unauthorized"|"stale"|"replayed","detail":…}`: missing or wrong signature (or
+//!   secret), a timestamp outside the window, a signature already accepted (nothing applied);
 //! - `404 {"error":"unknown_endpoint"}`, `405` (not POST), `413` (body over `max_body_bytes`).
 
-/// Header carrying the shared secret.
+/// Header carrying the shared secret (unsigned posts, accepted only with `allow_unsigned`).
 pub const HEADER_SECRET: &str = "x-kvroute-secret";
 /// Header naming the engine endpoint.
 pub const HEADER_ENDPOINT: &str = "x-kvroute-endpoint";
@@ -30,6 +43,11 @@ pub const HEADER_SEQ: &str = "x-kvroute-seq";
 pub const HEADER_TOPIC: &str = "x-kvroute-topic";
 /// Header with the kind of post: `batch` or `resync`.
 pub const HEADER_KIND: &str = "x-kvroute-kind";
+/// Header with the post's signature: HMAC-SHA256 keyed by the shared secret (see
+/// [`signature`]), lowercase hex.
+pub const HEADER_SIGNATURE: &str = "x-kvroute-signature";
+/// Header with the time the relay signed the post (UNIX milliseconds, decimal).
+pub const HEADER_TIMESTAMP: &str = "x-kvroute-timestamp";
 
 /// Compare two byte strings in time that depends only on their lengths (never on where they
 /// differ). Both are first reduced to SHA-256 digests, so even the length of the secret does not
@@ -42,6 +60,114 @@ pub fn secret_matches(given: &[u8], secret: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
+/// Version tag at the start of every signed message.
+pub const SIGNATURE_VERSION: &str = "kvroute-events-v1";
+
+/// The message a post's signature covers: the version tag, endpoint, kind (`batch` or
+/// `resync`), sequence number (`-` when absent), timestamp (UNIX ms) and the lowercase hex
+/// SHA-256 of the body, one per line.
+pub fn signed_message(endpoint: &str, kind: &str, seq: Option<u64>, timestamp_ms: u64, body: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let seq = seq.map_or_else(|| "-".to_owned(), |s| s.to_string());
+    let digest = hex(&Sha256::digest(body));
+    format!("{SIGNATURE_VERSION}\n{endpoint}\n{kind}\n{seq}\n{timestamp_ms}\n{digest}")
+}
+
+fn mac(secret: &[u8], message: &str) -> hmac::Hmac<sha2::Sha256> {
+    use hmac::{KeyInit, Mac};
+    // HMAC takes keys of any length (long ones are hashed first): this cannot fail.
+    let mut m = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(secret)
+        .unwrap_or_else(|_| <hmac::Hmac<sha2::Sha256> as KeyInit>::new(&Default::default()));
+    m.update(message.as_bytes());
+    m
+}
+
+/// The signature of a post (lowercase hex of HMAC-SHA256 keyed by `secret` over
+/// [`signed_message`]).
+pub fn signature(
+    secret: &[u8],
+    endpoint: &str,
+    kind: &str,
+    seq: Option<u64>,
+    timestamp_ms: u64,
+    body: &[u8],
+) -> String {
+    use hmac::Mac;
+    hex(&mac(secret, &signed_message(endpoint, kind, seq, timestamp_ms, body)).finalize().into_bytes())
+}
+
+/// Whether `given` (hex, either case) is the post's signature; compared in constant time.
+pub fn verify_signature(
+    secret: &[u8],
+    endpoint: &str,
+    kind: &str,
+    seq: Option<u64>,
+    timestamp_ms: u64,
+    body: &[u8],
+    given: &str,
+) -> bool {
+    use hmac::Mac;
+    let Some(bytes) = unhex(given) else { return false };
+    mac(secret, &signed_message(endpoint, kind, seq, timestamp_ms, body)).verify_slice(&bytes).is_ok()
+}
+
+/// Read `x-kvroute-timestamp`.
+pub fn parse_timestamp(value: Option<&str>) -> Result<u64, String> {
+    let v = value.ok_or_else(|| format!("missing header {HEADER_TIMESTAMP}"))?;
+    v.trim().parse::<u64>().map_err(|_| format!("{HEADER_TIMESTAMP}: {v:?} is not UNIX milliseconds"))
+}
+
+/// Whether a timestamp is within `window_ms` of `now_ms` (either side: clocks drift both ways).
+pub fn timestamp_fresh(timestamp_ms: u64, now_ms: u64, window_ms: u64) -> bool {
+    timestamp_ms.abs_diff(now_ms) <= window_ms
+}
+
+/// Signatures accepted recently, so that none is accepted twice within the timestamp window.
+/// Bounded: past `capacity` entries the oldest are forgotten first.
+#[derive(Debug, Default)]
+pub struct RecentSignatures {
+    /// (timestamp of the post, signature), in acceptance order.
+    seen: std::collections::VecDeque<(u64, String)>,
+}
+
+impl RecentSignatures {
+    /// Most signatures remembered.
+    pub const CAPACITY: usize = 4096;
+
+    /// Whether `sig` was accepted within the window (entries whose timestamp left the window are
+    /// dropped first).
+    pub fn is_replay(&mut self, sig: &str, now_ms: u64, window_ms: u64) -> bool {
+        self.seen.retain(|(t, _)| timestamp_fresh(*t, now_ms, window_ms));
+        self.seen.iter().any(|(_, s)| s.eq_ignore_ascii_case(sig))
+    }
+
+    /// Remember `sig`, the signature of an accepted post stamped `timestamp_ms`.
+    pub fn record(&mut self, sig: &str, timestamp_ms: u64) {
+        if self.seen.len() >= Self::CAPACITY {
+            self.seen.pop_front();
+        }
+        self.seen.push_back((timestamp_ms, sig.to_ascii_lowercase()));
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 15)]));
+    }
+    s
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    let s = s.trim();
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len() / 2).map(|i| s.get(2 * i..2 * i + 2).and_then(|d| u8::from_str_radix(d, 16).ok())).collect()
+}
+
 /// What an event post asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PostKind {
@@ -52,6 +178,24 @@ pub enum PostKind {
     },
     /// Resynchronize the endpoint's stream.
     Resync,
+}
+
+impl PostKind {
+    /// The kind's name in `x-kvroute-kind` and in the signed message.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PostKind::Batch { .. } => "batch",
+            PostKind::Resync => "resync",
+        }
+    }
+
+    /// The batch's sequence number.
+    pub fn seq(&self) -> Option<u64> {
+        match self {
+            PostKind::Batch { seq } => *seq,
+            PostKind::Resync => None,
+        }
+    }
 }
 
 /// A parsed event post (headers only; the body comes later).
@@ -118,6 +262,52 @@ mod tests {
         assert!(!secret_matches(b"0123456789abcdeX", b"0123456789abcdef"));
         assert!(!secret_matches(b"0123456789abcde", b"0123456789abcdef"));
         assert!(!secret_matches(b"", b"0123456789abcdef"));
+    }
+
+    #[test]
+    fn signatures_bind_every_signed_field() {
+        let secret = b"0123456789abcdef-secret";
+        let sig = signature(secret, "10.0.0.1:8000", "batch", Some(7), 1_000, b"payload");
+        assert_eq!(sig.len(), 64);
+        let ok = |s: &str| verify_signature(secret, "10.0.0.1:8000", "batch", Some(7), 1_000, b"payload", s);
+        assert!(ok(&sig));
+        assert!(ok(&sig.to_ascii_uppercase()));
+        assert!(!ok(&sig[..62]));
+        assert!(!ok("zz"));
+        assert!(!ok(""));
+        let v = |ep: &str, kind: &str, seq, ts, body: &[u8]| verify_signature(secret, ep, kind, seq, ts, body, &sig);
+        assert!(!v("10.0.0.2:8000", "batch", Some(7), 1_000, b"payload"));
+        assert!(!v("10.0.0.1:8000", "resync", Some(7), 1_000, b"payload"));
+        assert!(!v("10.0.0.1:8000", "batch", Some(8), 1_000, b"payload"));
+        assert!(!v("10.0.0.1:8000", "batch", None, 1_000, b"payload"));
+        assert!(!v("10.0.0.1:8000", "batch", Some(7), 1_001, b"payload"));
+        assert!(!v("10.0.0.1:8000", "batch", Some(7), 1_000, b"payloaX"));
+        assert!(!verify_signature(b"another secret!!", "10.0.0.1:8000", "batch", Some(7), 1_000, b"payload", &sig));
+        // RFC 4231 test case 2: HMAC-SHA256("Jefe", "what do ya want for nothing?").
+        use hmac::Mac;
+        let m = mac(b"Jefe", "what do ya want for nothing?").finalize().into_bytes();
+        assert_eq!(hex(&m), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+    }
+
+    #[test]
+    fn timestamps_and_replays() {
+        assert!(timestamp_fresh(1_000, 31_000, 30_000));
+        assert!(timestamp_fresh(31_000, 1_000, 30_000));
+        assert!(!timestamp_fresh(1_000, 31_001, 30_000));
+        assert_eq!(parse_timestamp(Some("12")), Ok(12));
+        assert!(parse_timestamp(None).is_err());
+        assert!(parse_timestamp(Some("-1")).is_err());
+        let mut r = RecentSignatures::default();
+        assert!(!r.is_replay("ab", 1_000, 30_000));
+        r.record("ab", 1_000);
+        assert!(r.is_replay("AB", 2_000, 30_000), "a replay");
+        assert!(!r.is_replay("cd", 2_000, 30_000));
+        // Out of the window, the entry is forgotten (the timestamp check refuses such posts).
+        assert!(!r.is_replay("ab", 40_000, 30_000));
+        for i in 0..RecentSignatures::CAPACITY + 10 {
+            r.record(&format!("s{i}"), 40_000);
+        }
+        assert_eq!(r.seen.len(), RecentSignatures::CAPACITY);
     }
 
     #[test]

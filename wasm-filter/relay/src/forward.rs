@@ -5,7 +5,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_filter::ingest::{HEADER_ENDPOINT, HEADER_KIND, HEADER_SECRET, HEADER_SEQ, HEADER_TOPIC};
+use kvroute_filter::ingest::{
+    self, HEADER_ENDPOINT, HEADER_KIND, HEADER_SEQ, HEADER_SIGNATURE, HEADER_TIMESTAMP, HEADER_TOPIC,
+};
 
 use crate::http::{Response, Target};
 use crate::{bump, log, Msg, RelayConfig, Stats};
@@ -70,27 +72,29 @@ impl Forwarder {
 
     fn send(&mut self, msg: &Msg) -> Sent {
         let seq_text;
-        let (headers, body): (Vec<(&str, &str)>, &[u8]) = match msg {
-            Msg::Batch { endpoint, topic, seq, payload } => {
-                seq_text = seq.to_string();
-                let mut headers = vec![
-                    (HEADER_SECRET, self.secret.as_str()),
-                    (HEADER_ENDPOINT, endpoint),
-                    (HEADER_KIND, "batch"),
-                    (HEADER_SEQ, seq_text.as_str()),
-                ];
-                if let Some(topic) = topic {
-                    headers.push((HEADER_TOPIC, topic));
-                }
-                (headers, payload)
-            }
-            Msg::Resync { endpoint } => {
-                (vec![(HEADER_SECRET, self.secret.as_str()), (HEADER_ENDPOINT, endpoint), (HEADER_KIND, "resync")], &[])
-            }
+        let (endpoint, kind, seq, body): (&str, &str, Option<u64>, &[u8]) = match msg {
+            Msg::Batch { endpoint, seq, payload, .. } => (endpoint, "batch", Some(*seq), payload),
+            Msg::Resync { endpoint } => (endpoint, "resync", None, &[]),
         };
+        let mut headers: Vec<(&str, &str)> = vec![(HEADER_ENDPOINT, endpoint), (HEADER_KIND, kind)];
+        if let Some(seq) = seq {
+            seq_text = seq.to_string();
+            headers.push((HEADER_SEQ, seq_text.as_str()));
+        }
+        if let Msg::Batch { topic: Some(topic), .. } = msg {
+            headers.push((HEADER_TOPIC, topic));
+        }
         let mut backoff = Duration::from_millis(100);
         for attempt in 1..=self.attempts {
-            let result = self.target.post(&self.path, &headers, body);
+            // Signed afresh for each attempt: the filter refuses a timestamp outside its window,
+            // and a retry may come long after the first try. The secret itself never travels.
+            let ts = now_ms();
+            let ts_text = ts.to_string();
+            let sig = ingest::signature(self.secret.as_bytes(), endpoint, kind, seq, ts, body);
+            let mut signed = headers.clone();
+            signed.push((HEADER_TIMESTAMP, ts_text.as_str()));
+            signed.push((HEADER_SIGNATURE, sig.as_str()));
+            let result = self.target.post(&self.path, &signed, body);
             match result {
                 Ok(Response { status: 200, .. }) => {
                     bump(&self.stats.posted);
@@ -126,4 +130,11 @@ impl Forwarder {
         }
         Sent::Failed
     }
+}
+
+/// The wall clock in UNIX milliseconds (0 before 1970: the filter then refuses the post as stale).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

@@ -5,7 +5,8 @@
 //! `[topic, seq, msgpack payload]`), puts the batches in order (duplicates dropped, gaps
 //! replayed from the publisher's replay socket, or the stream resynchronized when replay cannot
 //! recover them) and POSTs each batch to the filter's event path on every Envoy listener it is
-//! given, with the shared secret. See `wasm-filter/README.md` (Events) and the protocol in
+//! given, signed with the shared secret (HMAC-SHA256 over endpoint, kind, sequence number,
+//! timestamp and body; the secret itself is never sent). See `wasm-filter/README.md` (Events) and the protocol in
 //! [`kvroute_filter::ingest`].
 //!
 //! Receiving, ordering and gap handling are the core's ZMQ subscriber

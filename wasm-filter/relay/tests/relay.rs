@@ -151,6 +151,29 @@ fn config(url: &str, sub: SubscriberConfig) -> RelayConfig {
     }
 }
 
+/// The post carries a valid signature by [`SECRET`] over its fields and body, with a timestamp
+/// from the wall clock, and never the secret itself.
+fn assert_signed(p: &Post, kind: &str, seq: Option<u64>) {
+    assert_eq!(p.header("x-kvroute-secret"), None, "the secret never travels");
+    assert_eq!(p.header("x-kvroute-kind"), Some(kind));
+    assert_eq!(p.header("x-kvroute-seq").map(|s| s.parse::<u64>().unwrap()), seq);
+    let ts: u64 = p.header("x-kvroute-timestamp").unwrap().parse().unwrap();
+    assert!(ts > 1_600_000_000_000, "timestamp {ts} is the relay's wall clock in UNIX ms");
+    let sig = p.header("x-kvroute-signature").unwrap();
+    let ok = kvroute_filter::ingest::verify_signature(SECRET.as_bytes(), EP, kind, seq, ts, &p.body, sig);
+    assert!(ok, "signature {sig} of {kind} {seq:?}");
+    let other = kvroute_filter::ingest::verify_signature(
+        SECRET.as_bytes(),
+        EP,
+        kind,
+        Some(seq.map_or(0, |s| s + 1)),
+        ts,
+        &p.body,
+        sig,
+    );
+    assert!(!other, "the signature covers the sequence number");
+}
+
 #[test]
 fn batches_are_posted_in_order_with_the_protocol_headers_and_duplicates_dropped() {
     let ctx = zmq::Context::new();
@@ -165,7 +188,7 @@ fn batches_are_posted_in_order_with_the_protocol_headers_and_duplicates_dropped(
     let got = wait_for(&posts, 4);
     assert_eq!(got.iter().map(Post::label).collect::<Vec<_>>(), ["batch:0", "batch:1", "batch:2", "batch:3"]);
     let p = &got[1];
-    assert_eq!(p.header("x-kvroute-secret"), Some(SECRET));
+    assert_signed(p, "batch", Some(1));
     assert_eq!(p.header("x-kvroute-endpoint"), Some(EP));
     assert_eq!(p.header("x-kvroute-topic"), Some("kv"));
     assert_eq!(p.header("content-type"), Some("application/msgpack"));
@@ -212,7 +235,7 @@ fn an_unrecoverable_gap_posts_a_resync_notice_before_the_next_batch() {
     }
     let got = wait_for(&posts, 5);
     assert_eq!(got.iter().map(Post::label).collect::<Vec<_>>(), ["batch:0", "batch:1", "resync", "batch:5", "batch:6"]);
-    assert_eq!(got[2].header("x-kvroute-secret"), Some(SECRET));
+    assert_signed(&got[2], "resync", None);
     assert!(got[2].body.is_empty());
     assert_eq!(relay.stop().resyncs, 1);
 }

@@ -211,7 +211,40 @@ pub fn answer(s: &Stream) -> (u32, Value) {
     }
 }
 
-/// POST an event batch (`seq` None: no sequence header) to `vm`'s event path with `secret`.
+/// The headers of a signed event post as the relay sends them (`x-kvroute-endpoint`,
+/// `x-kvroute-kind`, `x-kvroute-seq` when given, `x-kvroute-timestamp` = the host's clock,
+/// `x-kvroute-signature` keyed by `secret`), after `:method`, `:path` and `:authority`.
+pub fn signed_event_headers(
+    host: &Host,
+    secret: &str,
+    endpoint: &str,
+    kind: &str,
+    seq: Option<u64>,
+    body: &[u8],
+) -> Vec<(String, String)> {
+    use kvroute_filter::ingest;
+    let ts = now_ms(host);
+    let mut h: Vec<(String, String)> = [
+        (":method", "POST"),
+        (":path", EVENTS_PATH),
+        (":authority", "llm.local"),
+        (":scheme", "http"),
+        (ingest::HEADER_ENDPOINT, endpoint),
+        (ingest::HEADER_KIND, kind),
+    ]
+    .iter()
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect();
+    if let Some(s) = seq {
+        h.push((ingest::HEADER_SEQ.into(), s.to_string()));
+    }
+    h.push((ingest::HEADER_TIMESTAMP.into(), ts.to_string()));
+    h.push((ingest::HEADER_SIGNATURE.into(), ingest::signature(secret.as_bytes(), endpoint, kind, seq, ts, body)));
+    h
+}
+
+/// POST an event batch (`seq` None: no sequence header) to `vm`'s event path, signed with
+/// `secret` at the host's current time.
 pub fn post_events(
     host: &mut Host,
     vm: VmId,
@@ -220,33 +253,17 @@ pub fn post_events(
     payload: &[u8],
     secret: &str,
 ) -> Result<(u32, Value), HostError> {
-    let seq_text = seq.map(|s| s.to_string());
-    let mut h: Vec<(&str, &str)> = vec![
-        (":method", "POST"),
-        (":path", EVENTS_PATH),
-        (":authority", "llm.local"),
-        (":scheme", "http"),
-        ("x-kvroute-secret", secret),
-        ("x-kvroute-endpoint", endpoint),
-        ("x-kvroute-topic", "kv-events"),
-    ];
-    if let Some(s) = &seq_text {
-        h.push(("x-kvroute-seq", s));
-    }
+    let mut h = signed_event_headers(host, secret, endpoint, "batch", seq, payload);
+    h.push(("x-kvroute-topic".into(), "kv-events".into()));
+    let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let st = host.round_trip(vm, &HttpMessage::new(h, payload.to_vec()), None)?;
     Ok(answer(&st))
 }
 
-/// POST a resync notice for `endpoint`.
+/// POST a signed resync notice for `endpoint`.
 pub fn post_resync(host: &mut Host, vm: VmId, endpoint: &str) -> Result<(u32, Value), HostError> {
-    let h = [
-        (":method", "POST"),
-        (":path", EVENTS_PATH),
-        (":authority", "llm.local"),
-        ("x-kvroute-secret", SECRET),
-        ("x-kvroute-endpoint", endpoint),
-        ("x-kvroute-kind", "resync"),
-    ];
+    let h = signed_event_headers(host, SECRET, endpoint, "resync", None, &[]);
+    let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let st = host.round_trip(vm, &HttpMessage::new(h, Vec::new()), None)?;
     Ok(answer(&st))
 }

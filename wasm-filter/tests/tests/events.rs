@@ -52,7 +52,7 @@ fn post(c: &mut Case, headers: &[(&str, &str)], body: &[u8]) -> (u32, Value, boo
 }
 
 #[test]
-fn wrong_or_missing_secret_is_401_and_applies_nothing() {
+fn wrong_or_missing_signature_is_401_and_applies_nothing() {
     let mut c = case();
     let batch = c.batch.clone();
     for secret in ["wrong-secret-0123456789", "", "test-secret-012345678", "test-secret-01234567890"] {
@@ -70,7 +70,8 @@ fn wrong_or_missing_secret_is_401_and_applies_nothing() {
     }
     let (batches, unauthorized, _) = event_counters(&mut c, 0);
     assert_eq!((batches, unauthorized), (0.0, 5.0));
-    assert!(c.host.logs().iter().any(|l| l.message.contains("wrong or missing secret")));
+    assert!(c.host.logs().iter().any(|l| l.message.contains("wrong x-kvroute-signature")));
+    assert!(c.host.logs().iter().any(|l| l.message.contains("without a valid signature")));
     // The right secret then works, and the stream starts at the batch's sequence.
     let (status, answer) = post_events(&mut c.host, c.vms[0], B, Some(0), &batch, SECRET).unwrap();
     assert_eq!((status, answer["verdict"].as_str()), (200, Some("applied")));
@@ -82,69 +83,87 @@ fn wrong_or_missing_secret_is_401_and_applies_nothing() {
 fn malformed_posts_get_typed_errors_and_apply_nothing() {
     let mut c = case();
     let batch = c.batch.clone();
-    let base = [(":path", EVENTS_PATH), (":authority", "x"), ("x-kvroute-secret", SECRET)];
-    let with = |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, &'static str)> {
-        let mut h = base.to_vec();
-        h.extend_from_slice(extra);
+    // Signed as the relay signs (the signature covers endpoint, kind, seq, timestamp and body;
+    // a header the filter cannot parse is refused before the signature is checked).
+    let ts = now_ms(&c.host).to_string();
+    let with = |extra: &[(&'static str, &'static str)], body: &[u8]| -> Vec<(String, String)> {
+        let mut h: Vec<(String, String)> = [(":path", EVENTS_PATH), (":authority", "x")]
+            .iter()
+            .chain(extra)
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let get = |n: &str| extra.iter().find(|(k, _)| *k == n).map(|(_, v)| *v);
+        let seq = get("x-kvroute-seq").and_then(|s| s.parse().ok());
+        let sig = kvroute_filter::ingest::signature(
+            SECRET.as_bytes(),
+            get("x-kvroute-endpoint").unwrap_or(""),
+            get("x-kvroute-kind").unwrap_or("batch"),
+            seq,
+            ts.parse().unwrap(),
+            body,
+        );
+        h.push(("x-kvroute-timestamp".into(), ts.clone()));
+        h.push(("x-kvroute-signature".into(), sig));
         h
     };
     // (name, headers, body, expected status, expected error)
-    type Post<'a> = (&'a str, Vec<(&'a str, &'a str)>, Vec<u8>, u32, &'a str);
+    type Post<'a> = (&'a str, Vec<(String, String)>, Vec<u8>, u32, &'a str);
     let cases: Vec<Post<'_>> = vec![
-        ("GET", with(&[(":method", "GET"), ("x-kvroute-endpoint", B)]), Vec::new(), 405, "method_not_allowed"),
-        ("no endpoint", with(&[(":method", "POST")]), batch.clone(), 400, "bad_request"),
+        ("GET", with(&[(":method", "GET"), ("x-kvroute-endpoint", B)], &[]), Vec::new(), 405, "method_not_allowed"),
+        ("no endpoint", with(&[(":method", "POST")], &batch), batch.clone(), 400, "bad_request"),
         (
             "bad endpoint",
-            with(&[(":method", "POST"), ("x-kvroute-endpoint", "not an address")]),
+            with(&[(":method", "POST"), ("x-kvroute-endpoint", "not an address")], &batch),
             batch.clone(),
             400,
             "bad_request",
         ),
         (
             "bad seq",
-            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "-1")]),
+            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "-1")], &batch),
             batch.clone(),
             400,
             "bad_request",
         ),
         (
             "bad kind",
-            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-kind", "drop")]),
+            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-kind", "drop")], &batch),
             batch.clone(),
             400,
             "bad_request",
         ),
         (
             "unknown endpoint",
-            with(&[(":method", "POST"), ("x-kvroute-endpoint", "10.9.9.9:1"), ("x-kvroute-seq", "0")]),
+            with(&[(":method", "POST"), ("x-kvroute-endpoint", "10.9.9.9:1"), ("x-kvroute-seq", "0")], &batch),
             batch.clone(),
             404,
             "unknown_endpoint",
         ),
         (
             "empty body",
-            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "0")]),
+            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "0")], &[]),
             Vec::new(),
             400,
             "bad_request",
         ),
         (
             "not msgpack",
-            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "0")]),
+            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "0")], b"{\"json\": true}"),
             b"{\"json\": true}".to_vec(),
             400,
             "decode",
         ),
         (
             "truncated",
-            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "0")]),
+            with(&[(":method", "POST"), ("x-kvroute-endpoint", B), ("x-kvroute-seq", "0")], &batch[..batch.len() / 2]),
             batch[..batch.len() / 2].to_vec(),
             400,
             "decode",
         ),
     ];
     for (name, headers, body, status, error) in &cases {
-        let (got, answer, upstream) = post(&mut c, headers, body);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let (got, answer, upstream) = post(&mut c, &headers, body);
         assert_eq!((got, answer["error"].as_str()), (*status, Some(*error)), "{name}: {answer}");
         assert!(!upstream, "{name}: event posts never go upstream");
     }

@@ -141,9 +141,13 @@ fn engine_events_reach_the_filter_through_the_relay() {
     let batch = hex(steps[2]["payload_hex"].as_str().unwrap());
     let body = steps[3]["body"].to_string();
 
-    let mut host = host(&Pages::default()).unwrap();
+    // The relay signs with its wall clock: the host's clock starts there too, and the window is
+    // wide (the host's clock stands still while the test runs, however long that takes).
+    let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let mut host = host_at(wall, &Pages::default()).unwrap();
     let filter = host.load_kvroute_filter().unwrap();
-    let cfg = plugin_config(&case["policy"], &[(A, "decode"), (B, "decode")], &json!({}));
+    let events = json!({"events": {"path": EVENTS_PATH, "secret": SECRET, "signature_window_ms": 3_600_000}});
+    let cfg = plugin_config(&case["policy"], &[(A, "decode"), (B, "decode")], &events);
     let vms = [host.start_vm(&filter, vm_config(&cfg)).unwrap(), host.start_vm(&filter, vm_config(&cfg)).unwrap()];
 
     let ctx = zmq::Context::new();
