@@ -347,14 +347,7 @@ fn answers_the_host_refuses_reset_the_stream_and_never_go_upstream() {
     let mut w = world();
     w.host.inject_fault("proxy_send_local_response", Fault::status(Status::InternalFailure)).unwrap();
     let batch = w.batch.clone();
-    let h = vec![
-        (":method", "POST"),
-        (":path", EVENTS_PATH),
-        (":authority", "x"),
-        ("x-kvroute-secret", SECRET),
-        ("x-kvroute-endpoint", B),
-        ("x-kvroute-seq", "0"),
-    ];
+    let h = signed_event_headers(&w.host, SECRET, B, "batch", Some(0), &batch);
     let st = w.host.round_trip(w.vms[0], &HttpMessage::new(h.clone(), batch.clone()), None).unwrap();
     assert!(st.upstream_headers().is_none() && st.was_reset() && st.local_reply().is_none());
     // So is the stats page.
