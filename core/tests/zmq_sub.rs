@@ -365,6 +365,17 @@ fn config(endpoint: &str) -> SubscriberConfig {
 
 type Seen = Arc<Mutex<Vec<SubscriberEvent>>>;
 
+/// A publisher with a (vLLM 0.26-format) replay socket, and a subscriber started on it and
+/// subscribed.
+fn start_with_replay(r: &Arc<Router>, clock: &Clock) -> (Publisher, Subscription, Seen) {
+    let publisher = Publisher::bind(Some(ReplayFormat::V026));
+    let mut cfg = config(&publisher.endpoint());
+    cfg.replay_endpoint = Some(publisher.replay_endpoint());
+    let (sub, seen) = start(r, cfg, clock);
+    publisher.wait_subscribed();
+    (publisher, sub, seen)
+}
+
 fn start(r: &Arc<Router>, cfg: SubscriberConfig, clock: &Clock) -> (Subscription, Seen) {
     let seen: Seen = Arc::default();
     let s = seen.clone();
@@ -795,11 +806,7 @@ fn real_vllm_and_sglang_payloads_from_fixtures() {
 fn undecodable_batch_mid_stream_ends_in_a_resync() {
     let (_, clock) = test_clock();
     let r = router(&clock);
-    let mut publisher = Publisher::bind(Some(ReplayFormat::V026));
-    let mut cfg = config(&publisher.endpoint());
-    cfg.replay_endpoint = Some(publisher.replay_endpoint());
-    let (sub, seen) = start(&r, cfg, &clock);
-    publisher.wait_subscribed();
+    let (mut publisher, sub, seen) = start_with_replay(&r, &clock);
     let batches = chain(3, Encoding::Map);
     publisher.publish(&batches[0]);
     publisher.publish(b"\xc1 not msgpack"); // seq 1: never applied, so seq 2 is a gap
@@ -1072,11 +1079,7 @@ fn restart_during_a_disconnect_without_replay_resyncs() {
 fn a_lost_connection_to_the_same_publisher_keeps_its_blocks() {
     let (_, clock) = test_clock();
     let r = router(&clock);
-    let mut publisher = Publisher::bind(Some(ReplayFormat::V026));
-    let mut cfg = config(&publisher.endpoint());
-    cfg.replay_endpoint = Some(publisher.replay_endpoint());
-    let (sub, seen) = start(&r, cfg, &clock);
-    publisher.wait_subscribed();
+    let (mut publisher, sub, seen) = start_with_replay(&r, &clock);
     let batches = chain(4, Encoding::Map);
     for p in &batches[..3] {
         publisher.publish(p);

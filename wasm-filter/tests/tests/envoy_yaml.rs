@@ -105,12 +105,7 @@ fn a_missing_or_trapped_vm_never_lets_a_client_choose_the_upstream() {
             assert_ne!(port.parse::<u64>().unwrap(), admin_port, "{a} in cluster {}", c["name"]);
         }
     }
-    let route_cluster = hcm["route_config"]["virtual_hosts"][0]["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find_map(|r| r["route"]["cluster"].as_str())
-        .unwrap();
+    let route_cluster = forwarding_cluster(hcm);
     for name in [route_cluster, parsed.filter.metrics.as_ref().unwrap().cluster.as_str()] {
         let c = cluster(&doc, name);
         assert_fleet_cluster(c);
@@ -148,12 +143,7 @@ fn the_example_envoy_configuration_is_complete_and_its_plugin_configuration_runs
     let wasm = filters.iter().find(|f| f["name"] == "envoy.filters.http.wasm").unwrap();
     let cfg = &wasm["typed_config"]["config"];
     assert_eq!(cfg["allow_on_headers_stop_iteration"], true, "Envoy >= 1.35 needs it for body-based routing");
-    let route_cluster = hcm["route_config"]["virtual_hosts"][0]["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find_map(|r| r["route"]["cluster"].as_str())
-        .unwrap();
+    let route_cluster = forwarding_cluster(hcm);
     assert_fleet_cluster(cluster(&doc, route_cluster));
 
     let plugin = cfg["configuration"]["value"].as_str().unwrap();
@@ -184,4 +174,14 @@ fn the_example_envoy_configuration_is_complete_and_its_plugin_configuration_runs
         host.finish_stream(s).unwrap();
     }
     assert!(host.abi_violations().is_empty(), "{:#?}", &*host.abi_violations());
+}
+
+/// The cluster the first forwarding route sends to.
+fn forwarding_cluster(hcm: &Value) -> &str {
+    hcm["route_config"]["virtual_hosts"][0]["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|r| r["route"]["cluster"].as_str())
+        .unwrap()
 }
