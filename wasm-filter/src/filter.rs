@@ -498,7 +498,7 @@ enum Phase {
 
 /// The signature of an event post and the timestamp it covers.
 struct Signed {
-    signature: String,
+    signature: ingest::Mac,
     timestamp_ms: u64,
 }
 
@@ -688,11 +688,13 @@ impl Http {
             return Action::Pause;
         }
         let signed = match self.header(ingest::HEADER_SIGNATURE) {
-            Some(sig) => match ingest::parse_timestamp(self.header(ingest::HEADER_TIMESTAMP)) {
-                Ok(ts) if ingest::timestamp_fresh(ts, now_ms(), events.signature_window_ms) => {
-                    Some(Signed { signature: sig.to_owned(), timestamp_ms: ts })
+            Some(sig) => match ingest::parse_signature(sig)
+                .and_then(|mac| Ok((mac, ingest::parse_timestamp(self.header(ingest::HEADER_TIMESTAMP))?)))
+            {
+                Ok((signature, ts)) if ingest::timestamp_fresh(ts, now_ms(), events.signature_window_ms) => {
+                    Some(Signed { signature, timestamp_ms: ts })
                 }
-                Ok(ts) => {
+                Ok((_, ts)) => {
                     self.shared.bump(Counter::EventUnauthorized);
                     log(LogLevel::Warn, &format!("kvroute: event post stamped {ts}, outside the signature window"));
                     json_reply(401, &ingest::error_body("stale", "x-kvroute-timestamp outside the signature window"));

@@ -96,7 +96,30 @@ pub fn signature(
     hex(&mac(secret, &signed_message(endpoint, kind, seq, timestamp_ms, body)).finalize().into_bytes())
 }
 
-/// Whether `given` (hex, either case) is the post's signature; compared in constant time.
+/// An HMAC-SHA256 signature, decoded (the canonical form: two spellings of one signature are
+/// one value).
+pub type Mac = [u8; 32];
+
+/// Read `x-kvroute-signature`: exactly 64 hex digits, either case (surrounding whitespace
+/// ignored). Nothing else decodes, so a captured signature cannot be re-spelt past the replay
+/// check.
+pub fn parse_signature(value: &str) -> Result<Mac, String> {
+    let v = value.trim().as_bytes();
+    let digit = |c: u8| char::from(c).to_digit(16).map(|d| d as u8);
+    let mut out = [0u8; 32];
+    if v.len() != 64 {
+        return Err(format!("{HEADER_SIGNATURE}: 64 hex digits expected, got {} bytes", v.len()));
+    }
+    for (o, pair) in out.iter_mut().zip(v.chunks_exact(2)) {
+        match (digit(pair[0]), digit(pair[1])) {
+            (Some(h), Some(l)) => *o = (h << 4) | l,
+            _ => return Err(format!("{HEADER_SIGNATURE}: not hex")),
+        }
+    }
+    Ok(out)
+}
+
+/// Whether `given` is the post's signature; compared in constant time.
 pub fn verify_signature(
     secret: &[u8],
     endpoint: &str,
@@ -104,11 +127,10 @@ pub fn verify_signature(
     seq: Option<u64>,
     timestamp_ms: u64,
     body: &[u8],
-    given: &str,
+    given: &Mac,
 ) -> bool {
     use hmac::Mac;
-    let Some(bytes) = unhex(given) else { return false };
-    mac(secret, &signed_message(endpoint, kind, seq, timestamp_ms, body)).verify_slice(&bytes).is_ok()
+    mac(secret, &signed_message(endpoint, kind, seq, timestamp_ms, body)).verify_slice(given).is_ok()
 }
 
 /// Read `x-kvroute-timestamp`.
@@ -123,30 +145,54 @@ pub fn timestamp_fresh(timestamp_ms: u64, now_ms: u64, window_ms: u64) -> bool {
 }
 
 /// Signatures accepted recently, so that none is accepted twice within the timestamp window.
-/// Bounded: past `capacity` entries the oldest are forgotten first.
+/// Bounded: past `capacity` entries the oldest are forgotten first. An ordered set answers
+/// membership (O(log n) per post, no hasher to seed in the VM); the queue, in acceptance order, ages entries out.
 #[derive(Debug, Default)]
 pub struct RecentSignatures {
     /// (timestamp of the post, signature), in acceptance order.
-    seen: std::collections::VecDeque<(u64, String)>,
+    order: std::collections::VecDeque<(u64, Mac)>,
+    seen: std::collections::BTreeSet<Mac>,
 }
 
 impl RecentSignatures {
     /// Most signatures remembered.
     pub const CAPACITY: usize = 4096;
 
-    /// Whether `sig` was accepted within the window (entries whose timestamp left the window are
-    /// dropped first).
-    pub fn is_replay(&mut self, sig: &str, now_ms: u64, window_ms: u64) -> bool {
-        self.seen.retain(|(t, _)| timestamp_fresh(*t, now_ms, window_ms));
-        self.seen.iter().any(|(_, s)| s.eq_ignore_ascii_case(sig))
+    /// Whether `sig` was accepted within the window. Entries at the front of the queue whose
+    /// timestamp left the window are dropped first (an entry behind a fresher one waits for it:
+    /// it is forgotten late, never early).
+    pub fn is_replay(&mut self, sig: &Mac, now_ms: u64, window_ms: u64) -> bool {
+        while let Some(&(t, old)) = self.order.front() {
+            if timestamp_fresh(t, now_ms, window_ms) {
+                break;
+            }
+            self.order.pop_front();
+            self.seen.remove(&old);
+        }
+        self.seen.contains(sig)
     }
 
     /// Remember `sig`, the signature of an accepted post stamped `timestamp_ms`.
-    pub fn record(&mut self, sig: &str, timestamp_ms: u64) {
-        if self.seen.len() >= Self::CAPACITY {
-            self.seen.pop_front();
+    pub fn record(&mut self, sig: &Mac, timestamp_ms: u64) {
+        if !self.seen.insert(*sig) {
+            return;
         }
-        self.seen.push_back((timestamp_ms, sig.to_ascii_lowercase()));
+        if self.order.len() >= Self::CAPACITY {
+            if let Some((_, old)) = self.order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        self.order.push_back((timestamp_ms, *sig));
+    }
+
+    /// Signatures remembered.
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    /// Whether none is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
     }
 }
 
@@ -158,14 +204,6 @@ fn hex(bytes: &[u8]) -> String {
         s.push(char::from(DIGITS[usize::from(b & 15)]));
     }
     s
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    let s = s.trim();
-    if s.len() % 2 != 0 {
-        return None;
-    }
-    (0..s.len() / 2).map(|i| s.get(2 * i..2 * i + 2).and_then(|d| u8::from_str_radix(d, 16).ok())).collect()
 }
 
 /// What an event post asks for.
@@ -269,12 +307,23 @@ mod tests {
         let secret = b"0123456789abcdef-secret";
         let sig = signature(secret, "10.0.0.1:8000", "batch", Some(7), 1_000, b"payload");
         assert_eq!(sig.len(), 64);
-        let ok = |s: &str| verify_signature(secret, "10.0.0.1:8000", "batch", Some(7), 1_000, b"payload", s);
+        let ok = |s: &str| {
+            parse_signature(s)
+                .is_ok_and(|m| verify_signature(secret, "10.0.0.1:8000", "batch", Some(7), 1_000, b"payload", &m))
+        };
         assert!(ok(&sig));
         assert!(ok(&sig.to_ascii_uppercase()));
         assert!(!ok(&sig[..62]));
         assert!(!ok("zz"));
         assert!(!ok(""));
+        // One signature, one decoded value: case and surrounding whitespace do not matter, and no
+        // other spelling decodes (a sign where a digit belongs, more or fewer digits, non-ASCII).
+        assert_eq!(parse_signature(&format!(" {} ", sig.to_ascii_uppercase())), parse_signature(&sig));
+        let plus = format!("+{}", &sig[1..]);
+        assert!(parse_signature(&plus).is_err(), "{plus}");
+        assert!(parse_signature(&format!("{sig}0")).is_err());
+        assert!(parse_signature(&format!("é{}", &sig[2..])).is_err());
+        let sig = parse_signature(&sig).unwrap();
         let v = |ep: &str, kind: &str, seq, ts, body: &[u8]| verify_signature(secret, ep, kind, seq, ts, body, &sig);
         assert!(!v("10.0.0.2:8000", "batch", Some(7), 1_000, b"payload"));
         assert!(!v("10.0.0.1:8000", "resync", Some(7), 1_000, b"payload"));
@@ -297,17 +346,25 @@ mod tests {
         assert_eq!(parse_timestamp(Some("12")), Ok(12));
         assert!(parse_timestamp(None).is_err());
         assert!(parse_timestamp(Some("-1")).is_err());
+        let mac = |n: u32| {
+            let mut m = [0u8; 32];
+            m[..4].copy_from_slice(&n.to_le_bytes());
+            m
+        };
         let mut r = RecentSignatures::default();
-        assert!(!r.is_replay("ab", 1_000, 30_000));
-        r.record("ab", 1_000);
-        assert!(r.is_replay("AB", 2_000, 30_000), "a replay");
-        assert!(!r.is_replay("cd", 2_000, 30_000));
+        assert!(!r.is_replay(&mac(1), 1_000, 30_000));
+        r.record(&mac(1), 1_000);
+        assert!(r.is_replay(&mac(1), 2_000, 30_000), "a replay");
+        assert!(!r.is_replay(&mac(2), 2_000, 30_000));
         // Out of the window, the entry is forgotten (the timestamp check refuses such posts).
-        assert!(!r.is_replay("ab", 40_000, 30_000));
-        for i in 0..RecentSignatures::CAPACITY + 10 {
-            r.record(&format!("s{i}"), 40_000);
+        assert!(!r.is_replay(&mac(1), 40_000, 30_000));
+        assert!(r.is_empty());
+        for i in 0..RecentSignatures::CAPACITY as u32 + 10 {
+            r.record(&mac(i), 40_000);
         }
-        assert_eq!(r.seen.len(), RecentSignatures::CAPACITY);
+        assert_eq!((r.len(), r.order.len()), (RecentSignatures::CAPACITY, RecentSignatures::CAPACITY));
+        assert!(!r.is_replay(&mac(0), 40_000, 30_000), "the oldest went first");
+        assert!(r.is_replay(&mac(RecentSignatures::CAPACITY as u32 + 9), 40_000, 30_000));
     }
 
     #[test]

@@ -160,7 +160,8 @@ fn assert_signed(p: &Post, kind: &str, seq: Option<u64>) {
     let ts: u64 = p.header("x-kvroute-timestamp").unwrap().parse().unwrap();
     assert!(ts > 1_600_000_000_000, "timestamp {ts} is the relay's wall clock in UNIX ms");
     let sig = p.header("x-kvroute-signature").unwrap();
-    let ok = kvroute_filter::ingest::verify_signature(SECRET.as_bytes(), EP, kind, seq, ts, &p.body, sig);
+    let mac = kvroute_filter::ingest::parse_signature(sig).unwrap();
+    let ok = kvroute_filter::ingest::verify_signature(SECRET.as_bytes(), EP, kind, seq, ts, &p.body, &mac);
     assert!(ok, "signature {sig} of {kind} {seq:?}");
     let other = kvroute_filter::ingest::verify_signature(
         SECRET.as_bytes(),
@@ -169,7 +170,7 @@ fn assert_signed(p: &Post, kind: &str, seq: Option<u64>) {
         Some(seq.map_or(0, |s| s + 1)),
         ts,
         &p.body,
-        sig,
+        &mac,
     );
     assert!(!other, "the signature covers the sequence number");
 }
