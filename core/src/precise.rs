@@ -903,28 +903,13 @@ impl KvIndex {
     /// longer by a later speculation on the same blocks: each speculative membership carries the
     /// expiry tick of its latest speculation).
     #[cfg(test)]
-    pub(crate) fn speculate(
-        &mut self,
-        keys: &RequestKeys,
-        slot: usize,
-        incarnation: u32,
-        expires_ms: u64,
-        now_ms: u64,
-    ) {
-        self.speculate_from(&keys.keys, 0, slot, incarnation, expires_ms, now_ms);
+    pub(crate) fn speculate(&mut self, keys: &RequestKeys, slot: usize, expires_ms: u64, now_ms: u64) {
+        self.speculate_from(&keys.keys, 0, slot, expires_ms, now_ms);
     }
 
     /// [`KvIndex::speculate`] for the keys from position `skip` on (the leading ones are already
     /// held in a tier). Speculation past the byte budget withdraws the soonest-expiring first.
-    pub(crate) fn speculate_from(
-        &mut self,
-        keys: &[BlockKey],
-        skip: usize,
-        slot: usize,
-        incarnation: u32,
-        expires_ms: u64,
-        now_ms: u64,
-    ) {
+    pub(crate) fn speculate_from(&mut self, keys: &[BlockKey], skip: usize, slot: usize, expires_ms: u64, now_ms: u64) {
         let Some(keys) = keys.get(skip..).filter(|k| !k.is_empty()) else { return };
         let Ok(slot32) = u32::try_from(slot) else { return };
         self.advance_speculation(now_ms);
@@ -935,7 +920,7 @@ impl KvIndex {
         let tick = spec_tick(deadline_ms);
         self.blocks.speculate(keys, slot, tick);
         let epoch = self.epochs.get(slot).copied().unwrap_or(0);
-        self.speculation.insert(Speculation { deadline_ms, tick, slot: slot32, incarnation, epoch, keys: keys.into() });
+        self.speculation.insert(Speculation { deadline_ms, tick, slot: slot32, epoch, keys: keys.into() });
         self.bound_speculation();
     }
 
@@ -974,15 +959,10 @@ impl KvIndex {
     }
 
     /// Withdraw speculation whose time has come (every record whose deadline has passed, in
-    /// whatever order they were made; see [`crate::speculation`]). `live(slot, incarnation)` tells
-    /// whether the slot still belongs to the endpoint the speculation was made for.
-    pub(crate) fn expire(&mut self, now_ms: u64, live: impl Fn(usize, u32) -> bool) {
-        let (blocks, epochs) = (&mut self.blocks, &self.epochs);
-        self.speculation.advance(now_ms, |s| {
-            if live(s.slot as usize, s.incarnation) {
-                withdraw(blocks, epochs, &s);
-            }
-        });
+    /// whatever order they were made; see [`crate::speculation`]); a speculation whose slot
+    /// changed hands since is dropped without touching the new holder's entries.
+    pub(crate) fn expire(&mut self, now_ms: u64) {
+        self.advance_speculation(now_ms);
     }
 
     /// Longest held prefix per slot.
@@ -1270,11 +1250,11 @@ mod tests {
         let mut ix = index();
         let short = request_keys(&ix, 0..32);
         let long = request_keys(&ix, 0..64);
-        ix.speculate(&short, 0, 1, 2_000, 0);
-        ix.speculate(&long, 0, 1, 3_500, 1_500);
-        ix.expire(2_500, |_, _| true);
+        ix.speculate(&short, 0, 2_000, 0);
+        ix.speculate(&long, 0, 3_500, 1_500);
+        ix.expire(2_500);
         assert_eq!(matched(&ix, &long), vec![4, 0], "the shared prefix is still covered by the newer request");
-        ix.expire(3_500, |_, _| true);
+        ix.expire(3_500);
         assert_eq!(matched(&ix, &long), vec![0, 0]);
         assert_eq!(ix.stats().speculative_blocks, 0);
     }
@@ -1283,16 +1263,20 @@ mod tests {
     fn speculation_expires_unless_confirmed() {
         let mut ix = index();
         let k = request_keys(&ix, 0..48);
-        ix.speculate(&k, 1, 7, 2_000, 0);
+        ix.speculate(&k, 1, 2_000, 0);
         assert_eq!(matched(&ix, &k), vec![0, 3]);
         // The engine confirms the first two blocks on endpoint 1.
         ix.apply(1, &batch(1.0, vec![stored(&[1, 2], None, 0, Medium::Gpu)]), None);
-        ix.expire(2_000, |_, inc| inc == 7);
+        ix.expire(2_000);
         assert_eq!(matched(&ix, &k), vec![0, 2]);
         assert_eq!(ix.stats().speculative_requests, 0);
-        // A speculation for a slot that changed hands is not withdrawn from the new holder.
-        ix.speculate(&k, 0, 1, 3_000, 2_000);
-        ix.expire(3_000, |_, inc| inc == 2);
+        // A speculation for a slot that changed hands is not withdrawn from the new holder: the
+        // old holder's expires while the new holder's, on the same blocks, must stay.
+        ix.speculate(&k, 0, 3_000, 2_000);
+        ix.retire(0);
+        ix.activate(0);
+        ix.speculate(&k, 0, 3_500, 2_000);
+        ix.expire(3_000);
         assert_eq!(matched(&ix, &k), vec![3, 2]);
     }
 }

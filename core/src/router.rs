@@ -269,10 +269,7 @@ impl State {
     }
 
     fn expire_speculation(&mut self, now_ms: u64) {
-        let endpoints = &self.endpoints;
-        self.kv.expire(now_ms, |slot, inc| {
-            u16::try_from(slot).ok().and_then(|s| endpoints.get(s)).is_some_and(|e| e.incarnation == inc)
-        });
+        self.kv.expire(now_ms);
     }
 }
 
@@ -588,9 +585,8 @@ impl Router {
             let now = st.kv.speculation_now().unwrap_or(e.now_ms);
             st.expire_speculation(now);
             for (i, s) in slots.enumerate() {
-                let inc = st.endpoints.get(s).map_or(0, |ep| ep.incarnation);
                 let skip = e.precise_skip[i] as usize;
-                st.kv.speculate_from(&e.precise_keys, skip, s as usize, inc, e.speculative_expires_ms, now);
+                st.kv.speculate_from(&e.precise_keys, skip, s as usize, e.speculative_expires_ms, now);
             }
         }
         let target = st.endpoints.get(t_slot).map_or(SlotRef { slot: t_slot, incarnation: 0 }, |ep| SlotRef {
@@ -1063,14 +1059,7 @@ impl Router {
                 // rest of a single-sequence prompt is speculated.
                 let held = if single { st.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
                 precise_skip[i] = held;
-                st.kv.speculate_from(
-                    &bufs.precise.keys,
-                    held as usize,
-                    r.slot as usize,
-                    r.incarnation,
-                    expires,
-                    now_ms,
-                );
+                st.kv.speculate_from(&bufs.precise.keys, held as usize, r.slot as usize, expires, now_ms);
             }
         }
         st.inflight.insert(&request_id, target, prefill_ref, now_ms);

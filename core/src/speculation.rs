@@ -37,9 +37,8 @@ pub(crate) struct Speculation {
     /// The expiry tick written into its memberships (withdrawal passes it back).
     pub tick: u32,
     pub slot: u32,
-    /// The router's incarnation of the endpoint in `slot`.
-    pub incarnation: u32,
-    /// The precise index's epoch of `slot` (bumped on activate and retire).
+    /// The precise index's epoch of `slot` (bumped on activate and retire: a record made for an
+    /// endpoint that left the slot is never withdrawn from the slot's next holder).
     pub epoch: u32,
     pub keys: Box<[BlockKey]>,
 }
@@ -274,7 +273,7 @@ mod tests {
     use super::*;
 
     fn spec(deadline_ms: u64, id: u64) -> Speculation {
-        Speculation { deadline_ms, tick: 0, slot: 0, incarnation: 0, epoch: 0, keys: vec![id].into() }
+        Speculation { deadline_ms, tick: 0, slot: 0, epoch: 0, keys: vec![id].into() }
     }
 
     fn insert(q: &mut SpecQueue, now: u64, expires: u64, id: u64) {
