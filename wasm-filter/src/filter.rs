@@ -9,7 +9,7 @@
 
 use std::cell::Cell;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -75,7 +75,7 @@ struct Active {
     cfg: Rc<PluginConfig>,
     log: SharedLog,
     /// Metric callouts in flight: token → (endpoint, dispatched at).
-    polls: HashMap<u32, (String, u64)>,
+    polls: BTreeMap<u32, (String, u64)>,
     next_poll_ms: u64,
     /// Event-post signatures this VM accepted within the timestamp window (replays are refused).
     recent_signatures: ingest::RecentSignatures,
@@ -220,7 +220,7 @@ pub struct Root {
 }
 
 std::thread_local! {
-    static REGISTRY: RefCell<HashMap<String, Rc<Shared>>> = RefCell::new(HashMap::new());
+    static REGISTRY: RefCell<BTreeMap<String, Rc<Shared>>> = const { RefCell::new(BTreeMap::new()) };
 }
 
 fn new_shared() -> Rc<Shared> {
@@ -272,7 +272,7 @@ impl Root {
                     router,
                     log: SharedLog::new(&cfg.filter.sync.namespace, cfg.filter.sync.ring_entries, instance),
                     cfg: cfg.clone(),
-                    polls: HashMap::new(),
+                    polls: BTreeMap::new(),
                     next_poll_ms: 0,
                     recent_signatures: ingest::RecentSignatures::default(),
                 };
@@ -377,7 +377,7 @@ impl Default for Root {
 /// Make the router's endpoint table match the configuration (removals first, so that a full
 /// table can take new endpoints).
 fn sync_endpoints(router: &Router, cfg: &PluginConfig) -> Result<(), String> {
-    let wanted: HashMap<&str, &crate::config::EndpointConfig> =
+    let wanted: BTreeMap<&str, &crate::config::EndpointConfig> =
         cfg.filter.endpoints.iter().map(|e| (e.address.as_str(), e)).collect();
     let current = router.endpoints();
     for e in &current {

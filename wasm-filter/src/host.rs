@@ -20,7 +20,7 @@
 #![allow(unsafe_code)]
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::host_map::{parse_map, serialize_map};
@@ -471,8 +471,8 @@ type NewRoot = fn(u32) -> Box<dyn RootContext>;
 #[derive(Default)]
 struct Dispatcher {
     new_root: Option<NewRoot>,
-    roots: HashMap<u32, Box<dyn RootContext>>,
-    http: HashMap<u32, Box<dyn HttpContext>>,
+    roots: BTreeMap<u32, Box<dyn RootContext>>,
+    http: BTreeMap<u32, Box<dyn HttpContext>>,
 }
 
 std::thread_local! {

@@ -391,3 +391,20 @@ fn a_429_the_host_refuses_to_send_fails_open() {
     assert_eq!(stat(&page, "kvroute_wasm_fail_open_total"), Some(1.0));
     assert_eq!(host.failure(vm).unwrap(), None);
 }
+
+#[test]
+fn the_filter_imports_nothing_whose_failure_it_cannot_handle() {
+    // Beyond the proxy-wasm ABI (every status handled, above), the filter takes only what WASI
+    // calls cannot fail on: no random seeds (std's randomly seeded hash maps panic when
+    // `random_get` fails), no clocks or files.
+    let host = host(&Pages::default()).unwrap();
+    let imports = host.load_kvroute_filter().unwrap().imports();
+    let others: Vec<&String> = imports.iter().filter(|i| !i.starts_with("env.proxy_")).collect();
+    for i in &others {
+        assert!(
+            ["wasi_snapshot_preview1.fd_write", "wasi_snapshot_preview1.proc_exit"].iter().any(|ok| ok == i)
+                || i.starts_with("wasi_snapshot_preview1.environ_"),
+            "unexpected import {i} (all: {others:?})"
+        );
+    }
+}
