@@ -1016,6 +1016,16 @@ mod tests {
         ix
     }
 
+    /// An index of 16-token blocks fed by engines with 64-token blocks; slot 0 active.
+    fn index_64_over_16() -> KvIndex {
+        let mut cfg = PolicyConfig::default();
+        cfg.index.precise.engine_block_tokens = 64;
+        cfg.index.precise.index_block_tokens = 16;
+        let mut ix = KvIndex::new(&cfg, 0, 1 << 14);
+        ix.activate(0);
+        ix
+    }
+
     fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32, medium: Medium) -> KvEvent {
         let n = hashes.len() as u32;
         KvEvent::BlockStored(BlockStored {
@@ -1117,11 +1127,7 @@ mod tests {
 
     #[test]
     fn engine_blocks_larger_than_index_blocks() {
-        let mut cfg = PolicyConfig::default();
-        cfg.index.precise.engine_block_tokens = 64;
-        cfg.index.precise.index_block_tokens = 16;
-        let mut ix = KvIndex::new(&cfg, 0, 1 << 14);
-        ix.activate(0);
+        let mut ix = index_64_over_16();
         let ev = KvEvent::BlockStored(BlockStored {
             block_hashes: vec![7, 8],
             parent_block_hash: None,
@@ -1171,11 +1177,7 @@ mod tests {
 
     #[test]
     fn content_keys_move_an_engine_block_off_the_text_chain_from_its_first_index_block() {
-        let mut cfg = PolicyConfig::default();
-        cfg.index.precise.engine_block_tokens = 64;
-        cfg.index.precise.index_block_tokens = 16;
-        let mut ix = KvIndex::new(&cfg, 0, 1 << 14);
-        ix.activate(0);
+        let mut ix = index_64_over_16();
         // Three engine blocks of 64 tokens; the middle one holds an image.
         let ev = KvEvent::BlockStored(BlockStored {
             block_hashes: vec![7, 8, 9],
