@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use arc_swap::ArcSwap;
 use lru::LruCache;
 use serde::Serialize;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3DefaultBuilder};
+use xxhash_rust::xxh3::{Xxh3, Xxh3DefaultBuilder};
 
 use crate::admission;
 use crate::config::{IndexMode, Policy};
@@ -1204,18 +1204,18 @@ const REUSED_IDS_MAX: usize = 4096;
 fn session_key(req: &RouteRequest) -> Option<u64> {
     let session = req.session_id.as_deref()?;
     let salt = req.cache_salt.as_deref().filter(|s| !s.is_empty());
-    let mut buf = Vec::with_capacity(session.len() + 32);
+    let mut h = Xxh3::new();
     for part in [req.fairness_id.as_deref(), salt, Some(session)] {
         match part {
-            None => buf.push(0),
+            None => h.update(&[0]),
             Some(p) => {
-                buf.push(1);
-                buf.extend_from_slice(&(p.len() as u64).to_le_bytes());
-                buf.extend_from_slice(p.as_bytes());
+                h.update(&[1]);
+                h.update(&(p.len() as u64).to_le_bytes());
+                h.update(p.as_bytes());
             }
         }
     }
-    Some(xxh3_64(&buf))
+    Some(h.digest())
 }
 
 /// Per-thread key buffers (block hashing happens before the state lock is taken).
