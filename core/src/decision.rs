@@ -282,6 +282,26 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The mode (`None` when shed).
+    pub fn mode(&self) -> Option<Mode> {
+        self.mode
+    }
+
+    /// The target (decode) endpoint (`None` when shed).
+    pub fn endpoint(&self) -> Option<&Arc<str>> {
+        self.endpoint.as_ref()
+    }
+
+    /// The prefill endpoint (disaggregated only).
+    pub fn prefill_endpoint(&self) -> Option<&Arc<str>> {
+        self.prefill_endpoint.as_ref()
+    }
+
+    /// Why the request was shed (`None` when routed).
+    pub fn shed(&self) -> Option<&Shed> {
+        self.shed.as_ref()
+    }
+
     /// The score breakdown of one endpoint.
     pub fn score(&self, endpoint: &str) -> Option<&EndpointScore> {
         self.endpoints.iter().position(|e| &**e == endpoint).and_then(|i| self.scores.get(i))
