@@ -154,7 +154,7 @@ pub struct PreciseConfig {
     pub keys: KeyScheme,
     /// The engines' hashing, for `keys = "engine"` (its `block_size` is ignored:
     /// `engine_block_tokens` applies).
-    pub engine: crate::engine_hash::EngineHashSpec,
+    pub engine: crate::precise::engine_hash::EngineHashSpec,
     /// LoRA adapter name → the path the engines loaded it from (`keys = "engine"` with vLLM ≥
     /// 0.31 hashes the path); requests for an adapter without a path here get no precise keys.
     pub lora_paths: BTreeMap<String, String>,
@@ -178,10 +178,12 @@ pub struct PreciseConfig {
 
 impl PreciseConfig {
     /// The engine hasher this section describes (with `engine_block_tokens` as block size).
-    pub fn engine_hasher(&self) -> Result<crate::engine_hash::EngineHasher, crate::engine_hash::EngineHashError> {
+    pub fn engine_hasher(
+        &self,
+    ) -> Result<crate::precise::engine_hash::EngineHasher, crate::precise::engine_hash::EngineHashError> {
         let mut spec = self.engine.clone();
         spec.block_size = self.engine_block_tokens;
-        crate::engine_hash::EngineHasher::from_spec(&spec)
+        crate::precise::engine_hash::EngineHasher::from_spec(&spec)
     }
 }
 
@@ -189,7 +191,7 @@ impl Default for PreciseConfig {
     fn default() -> Self {
         PreciseConfig {
             keys: KeyScheme::Dual,
-            engine: crate::engine_hash::EngineHashSpec::default(),
+            engine: crate::precise::engine_hash::EngineHashSpec::default(),
             lora_paths: BTreeMap::new(),
             engine_block_tokens: 16,
             index_block_tokens: 16,

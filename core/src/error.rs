@@ -153,7 +153,7 @@ pub enum RouteError {
 pub enum EventIngestError {
     /// The payload is not a valid event batch (nothing was applied).
     #[error(transparent)]
-    Decode(#[from] crate::events::EventError),
+    Decode(#[from] crate::precise::events::EventError),
     /// The endpoint is unknown.
     #[error(transparent)]
     State(#[from] StateError),

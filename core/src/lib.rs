@@ -40,26 +40,31 @@
 //! `decision` for the rules.
 
 pub mod admission;
+pub mod approx;
+#[cfg(feature = "wall-clock")]
+mod clock;
 pub mod config;
 pub mod decision;
 pub mod effect;
 pub mod endpoints;
-pub mod engine_hash;
 pub mod error;
-pub mod events;
-pub mod hashing;
 pub mod index;
 pub mod metrics;
 pub mod precise;
 pub mod request;
 pub mod router;
 pub mod score;
-mod speculation;
 #[cfg(feature = "tokenizer")]
 pub mod tokenize;
-#[cfg(feature = "zmq")]
-pub mod zmq_sub;
 
+pub use approx as hashing;
+#[cfg(feature = "wall-clock")]
+pub use clock::{unix_clock, unix_time_ms, Clock};
+#[cfg(feature = "zmq")]
+pub use precise::zmq_sub;
+pub use precise::{engine_hash, events};
+
+pub use approx::{ApproxHashing, BlockKey, RequestKeys};
 pub use config::{Policy, PolicyConfig};
 pub use decision::{Decision, Judgment, JudgmentSource, Mode, Rule, Shed, TransferEstimate};
 pub use effect::{EffectDecodeError, RoutingEffect};
@@ -72,9 +77,9 @@ pub use error::{ConfigError, EventIngestError, RequestError, RouteError, StateEr
 pub use events::{
     decode_batch, BlockRemoved, BlockStored, EngineBlockHash, ErrorSite, EventBatch, EventError, KvEvent, Medium,
 };
-pub use hashing::{ApproxHashing, BlockKey, DualKeyHashing, RequestKeys};
 pub use index::{ApproxIndex, IndexStats};
 pub use metrics::{parse_prometheus, MetricsError};
+pub use precise::DualKeyHashing;
 pub use precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats, StreamInfo, StreamVerdict};
 pub use request::{Api, ChatInput, ChatMessage, Horizon, JudgmentHint, Prompt, RawJson, RouteRequest};
 pub use router::{ActivePolicy, EndpointInfo, Router, RouterCounters, RouterStats};

@@ -10,14 +10,14 @@ use serde::Serialize;
 use xxhash_rust::xxh3::{Xxh3, Xxh3DefaultBuilder};
 
 use crate::admission;
+use crate::approx::{ApproxHashing, RequestKeys};
 use crate::config::{IndexMode, Policy};
 use crate::decision::{self, Decision, Mode, ModeInputs, Rule};
 use crate::effect::RoutingEffect;
 use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointState, EndpointTable, MetricsSnapshot, Role};
 use crate::error::{ConfigError, EventIngestError, RouteError, StateError};
-use crate::events::EventBatch;
-use crate::hashing::{ApproxHashing, RequestKeys};
 use crate::index::{ApproxIndex, IndexStats, MatchScratch, MatchWeights, PrefixMatch};
+use crate::precise::events::EventBatch;
 use crate::precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats};
 use crate::request::RouteRequest;
 use crate::score::{self, EndpointScore, FeatureInputs};
@@ -617,7 +617,7 @@ impl Router {
         seq: Option<u64>,
         now_ms: u64,
     ) -> Result<ApplyOutcome, EventIngestError> {
-        let batch = crate::events::decode_batch(payload)?;
+        let batch = crate::precise::events::decode_batch(payload)?;
         Ok(self.apply_batch(endpoint, &batch, seq, now_ms)?)
     }
 

@@ -93,17 +93,8 @@ pub extern "C" fn kvroute_now_ms() -> u64 {
     error::guard_value("kvroute_now_ms", 0, now_ms)
 }
 
-#[cfg(feature = "zmq")]
 fn now_ms() -> u64 {
-    kvroute::zmq_sub::unix_time_ms()
-}
-
-#[cfg(not(feature = "zmq"))]
-fn now_ms() -> u64 {
-    // The same clock as `kvroute::zmq_sub::unix_time_ms` (which exists only with `zmq`).
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    kvroute::unix_time_ms()
 }
 
 #[cfg(test)]

@@ -145,7 +145,7 @@ mod imp {
         if cfg.poll_interval_ms != 0 {
             c.poll_interval_ms = cfg.poll_interval_ms;
         }
-        let s = Subscription::start(router.inner.clone(), endpoint_id, c, kvroute::zmq_sub::unix_clock())?;
+        let s = Subscription::start(router.inner.clone(), endpoint_id, c, kvroute::unix_clock())?;
         Ok(Handle {
             endpoint_id: s.endpoint_id().to_owned(),
             local_endpoint: s.local_endpoint().to_owned(),

@@ -13,7 +13,7 @@ use crate::errors;
 
 /// The `now` every call defaults to: UNIX milliseconds, as the ZMQ subscriber's clock.
 pub(crate) fn now_or_clock(now: Option<u64>) -> u64 {
-    now.unwrap_or_else(kvroute::zmq_sub::unix_time_ms)
+    now.unwrap_or_else(kvroute::unix_time_ms)
 }
 
 /// `s` as Python writes a `str` literal in a repr (`'…'`).

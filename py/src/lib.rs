@@ -30,7 +30,7 @@ use pyo3::prelude::*;
 /// the ZMQ subscriber (`kvroute::zmq_sub::unix_clock`).
 #[pyfunction]
 fn now_ms() -> u64 {
-    kvroute::zmq_sub::unix_time_ms()
+    kvroute::unix_time_ms()
 }
 
 /// The module `kvroute._native`.

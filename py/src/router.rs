@@ -249,8 +249,7 @@ impl Router {
         cfg.replay_timeout_ms = replay_timeout_ms.unwrap_or(cfg.replay_timeout_ms);
         cfg.poll_interval_ms = poll_interval_ms.unwrap_or(cfg.poll_interval_ms);
         let router = self.inner.clone();
-        let started =
-            py.detach(|| kvroute::zmq_sub::Subscription::start(router, endpoint, cfg, kvroute::zmq_sub::unix_clock()));
+        let started = py.detach(|| kvroute::zmq_sub::Subscription::start(router, endpoint, cfg, kvroute::unix_clock()));
         match started {
             Ok(s) => Ok(Subscription::new(s)),
             Err(e) => Err(errors::subscribe(py, &e)),

@@ -48,9 +48,9 @@
 //! measured bytes per membership.
 
 use super::table::{BucketKind, ExactBucket, PostingTable};
+use crate::approx::{BlockKey, RequestKeys};
 use crate::config::TierWeights;
-use crate::events::Medium;
-use crate::hashing::{BlockKey, RequestKeys};
+use crate::precise::events::Medium;
 
 /// Generations per endpoint (eviction granularity is `1/GENERATIONS` of the capacity).
 pub const GENERATIONS: u32 = 16;

@@ -204,7 +204,7 @@ impl<B: BucketKind> PostingTable<B> {
 
     #[inline]
     fn home(&self, tag: B::Tag) -> usize {
-        crate::hashing::mul_hi(B::home_hash(tag), self.n as u64) as usize
+        crate::approx::mul_hi(B::home_hash(tag), self.n as u64) as usize
     }
 
     #[inline]

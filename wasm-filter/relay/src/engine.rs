@@ -9,7 +9,8 @@
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::Arc;
 
-use kvroute::zmq_sub::{unix_clock, Batch, Hooks, SubscriberEvent, Subscription};
+use kvroute::unix_clock;
+use kvroute::zmq_sub::{Batch, Hooks, SubscriberEvent, Subscription};
 use kvroute::{EndpointSpec, Policy, Role, Router};
 
 use crate::{bump, log, EngineConfig, Msg, RelayError, Stats};

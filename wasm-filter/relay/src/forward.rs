@@ -88,7 +88,7 @@ impl Forwarder {
         for attempt in 1..=self.attempts {
             // Signed afresh for each attempt: the filter refuses a timestamp outside its window,
             // and a retry may come long after the first try. The secret itself never travels.
-            let ts = now_ms();
+            let ts = kvroute::unix_time_ms();
             let ts_text = ts.to_string();
             let sig = ingest::signature(self.secret.as_bytes(), endpoint, kind, seq, ts, body);
             let mut signed = headers.clone();
@@ -130,11 +130,4 @@ impl Forwarder {
         }
         Sent::Failed
     }
-}
-
-/// The wall clock in UNIX milliseconds (0 before 1970: the filter then refuses the post as stale).
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

@@ -17,7 +17,7 @@
 
 use std::collections::VecDeque;
 
-use crate::hashing::BlockKey;
+use crate::approx::BlockKey;
 
 /// Deadline resolution, milliseconds.
 const TICK_MS: u64 = 16;

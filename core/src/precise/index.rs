@@ -69,153 +69,13 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::Serialize;
 
-use crate::config::{KeyScheme, PolicyConfig, PreciseConfig};
-use crate::engine_hash::{BlockExtras, EngineHasher, ExtraKeysForm, LoraAdapter};
-use crate::events::{BlockStored, EventBatch, KvEvent, Medium};
-use crate::hashing::{BlockKey, DualKeyHashing, RequestKeys};
+use super::keys::content_key;
+use super::DualKeyHashing;
+use crate::approx::{BlockKey, RequestKeys};
+use crate::config::{KeyScheme, PolicyConfig};
 use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
-use crate::request::{Prompt, RouteRequest};
-use crate::speculation::{SpecQueue, Speculation};
-
-/// How a request's precise keys are computed (one of the two key schemes).
-#[derive(Debug, Clone)]
-pub enum PreciseKeys {
-    /// The router's own chain (see [`DualKeyHashing`]).
-    Dual(DualKeyHashing),
-    /// The engine's own block hashes.
-    Engine {
-        /// The engines' hashing.
-        hasher: EngineHasher,
-        /// LoRA adapter name → path (hashed by vLLM ≥ 0.31).
-        lora_paths: std::collections::BTreeMap<String, String>,
-    },
-}
-
-impl PreciseKeys {
-    /// The scheme a precise-index section describes. The policy was validated, so an engine
-    /// hasher can be built; should that ever fail, dual keys are used.
-    pub fn from_config(p: &PreciseConfig) -> Self {
-        match p.keys {
-            KeyScheme::Engine => match p.engine_hasher() {
-                Ok(hasher) => PreciseKeys::Engine { hasher, lora_paths: p.lora_paths.clone() },
-                Err(_) => PreciseKeys::Dual(DualKeyHashing { block_tokens: p.index_block_tokens }),
-            },
-            KeyScheme::Dual => PreciseKeys::Dual(DualKeyHashing { block_tokens: p.index_block_tokens }),
-        }
-    }
-
-    /// Tokens per index block.
-    pub fn block_tokens(&self) -> u32 {
-        match self {
-            PreciseKeys::Dual(d) => d.block_tokens,
-            PreciseKeys::Engine { hasher, .. } => hasher.block_size() as u32,
-        }
-    }
-
-    /// The precise keys of a request into `out`. Returns `false` (leaving `out` empty) when they
-    /// cannot be computed: a text prompt (no token ids; see the router's tokenizer), or — with
-    /// engine keys — a LoRA adapter whose path the engine hashes but the policy does not know.
-    pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys, scratch: &mut Vec<u8>) -> bool {
-        let limit = req.key_limit;
-        let mut seqs: Vec<&[u32]> = Vec::with_capacity(req.prompts.len());
-        for (i, p) in req.prompts.iter().enumerate() {
-            match p {
-                // Keyed up to the request's key limit, as the approximate keys are.
-                Prompt::Tokens(ids) => seqs.push(match limit {
-                    Some(l) if i == l.prompt => &ids[..l.keyed_len.min(ids.len())],
-                    Some(l) if i > l.prompt => &[],
-                    _ => ids,
-                }),
-                Prompt::Text(_) => {
-                    clear(out);
-                    return false;
-                }
-            }
-        }
-        let ok = self.keys_for_tokens(req.lora_adapter.as_deref(), req.cache_salt.as_deref(), &seqs, out, scratch);
-        if let Some(l) = limit {
-            // What the keys cannot cover still counts in the hit denominator: the ids past the
-            // limit, the media (e.g. `prompt_embeds`) and the ids of the cut sequence after its
-            // last full block. Every sequence here is token ids, so bytes per token do not apply.
-            let bt = u64::from(self.block_tokens().max(1));
-            let partial = seqs.get(l.prompt).map_or(0, |s| s.len() as u64 % bt);
-            out.unkeyed_blocks = RequestKeys::blocks_for(req.unkeyed_tokens(1) + partial, self.block_tokens());
-        }
-        ok
-    }
-
-    /// The precise keys of token sequences (a request's prompts, tokenized) into `out`.
-    pub fn keys_for_tokens(
-        &self,
-        lora: Option<&str>,
-        cache_salt: Option<&str>,
-        seqs: &[&[u32]],
-        out: &mut RequestKeys,
-        scratch: &mut Vec<u8>,
-    ) -> bool {
-        clear(out);
-        out.block_tokens = self.block_tokens();
-        let ok = match self {
-            PreciseKeys::Dual(d) => {
-                let root = DualKeyHashing::root(lora, cache_salt);
-                for ids in seqs {
-                    out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
-                    out.anchor ^= d.chain(root, ids, &mut out.keys, scratch);
-                }
-                true
-            }
-            PreciseKeys::Engine { hasher, lora_paths } => {
-                engine_keys(hasher, lora_paths, lora, cache_salt, seqs, out, scratch)
-            }
-        };
-        if !ok {
-            clear(out);
-        }
-        ok
-    }
-}
-
-fn clear(out: &mut RequestKeys) {
-    out.keys.clear();
-    out.seq_starts.clear();
-    out.anchor = 0;
-    out.unkeyed_blocks = 0;
-}
-
-fn engine_keys(
-    hasher: &EngineHasher,
-    lora_paths: &std::collections::BTreeMap<String, String>,
-    lora: Option<&str>,
-    cache_salt: Option<&str>,
-    seqs: &[&[u32]],
-    out: &mut RequestKeys,
-    scratch: &mut Vec<u8>,
-) -> bool {
-    let lora = match lora {
-        None => None,
-        Some(name) => match (lora_paths.get(name), hasher.extra_keys_form()) {
-            (Some(path), _) => Some(LoraAdapter { name, path }),
-            (None, ExtraKeysForm::Untagged) => Some(LoraAdapter { name, path: "" }),
-            (None, ExtraKeysForm::Tagged) => return false,
-        },
-    };
-    let extras = BlockExtras { lora, cache_salt };
-    for ids in seqs {
-        out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
-        if hasher.block_keys(ids, &extras, scratch, &mut out.keys).is_err() {
-            return false;
-        }
-        out.anchor ^= out.keys.last().copied().unwrap_or(0);
-    }
-    true
-}
-
-/// The request key of an index block whose engine block carries content keys (see
-/// [`BlockStored::content_keys`]): a fixed-seed mix of the text chain's key and the content
-/// fingerprint, never equal to a key a token-id request computes (up to 64-bit collisions).
-fn content_key(text_key: u64, content: u64) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(&content.to_le_bytes(), text_key ^ 0x6d6d_2d62_6c6f_636b)
-}
+use crate::precise::events::{BlockStored, EventBatch, KvEvent, Medium};
+use crate::precise::speculation::{SpecQueue, Speculation};
 
 /// The expiry tick of a speculation (16 ms resolution, 15 bits: wraps after about 8.7 minutes,
 /// far beyond any speculative TTL).
@@ -959,7 +819,7 @@ impl KvIndex {
     }
 
     /// Withdraw speculation whose time has come (every record whose deadline has passed, in
-    /// whatever order they were made; see [`crate::speculation`]); a speculation whose slot
+    /// whatever order they were made; see [`crate::precise::speculation`]); a speculation whose slot
     /// changed hands since is dropped without touching the new holder's entries.
     pub(crate) fn expire(&mut self, now_ms: u64) {
         self.advance_speculation(now_ms);
@@ -1006,7 +866,8 @@ impl KvIndex {
 mod tests {
     use super::*;
     use crate::config::TierWeights;
-    use crate::events::{BlockRemoved, BlockStored, Medium};
+    use crate::precise::events::{BlockRemoved, BlockStored, Medium};
+    use crate::precise::PreciseKeys;
 
     fn index() -> KvIndex {
         let cfg = PolicyConfig::default();

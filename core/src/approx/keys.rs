@@ -280,94 +280,6 @@ impl ApproxHashing {
     }
 }
 
-/// The router's own precise request keys ("dual keys"): an xxh3-64 chain over token ids in
-/// blocks of `block_tokens`, rooted in the LoRA adapter and cache_salt:
-///
-/// ```text
-/// root  = xxh3_64("kvroute-dual" ‖ lora-flag ‖ lora ‖ 0xff ‖ salt-flag ‖ salt)
-/// key_k = xxh3_64_with_seed(token ids of block k as u32 LE, key_{k-1})
-/// ```
-///
-/// The same chain is computed from a request's token ids and from an engine's BlockStored event
-/// (its token ids, chained from the request key its parent block maps to), so precise routing
-/// works without reproducing the engine's own hash.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DualKeyHashing {
-    /// Tokens per index block.
-    pub block_tokens: u32,
-}
-
-impl DualKeyHashing {
-    /// The root of every chain for a LoRA adapter (or none) and a cache_salt (or none). An empty
-    /// `cache_salt` is no salt, as vLLM hashes it (`Some("")` and `None` give the same root), for
-    /// request keys and for event chains alike.
-    pub fn root(lora: Option<&str>, cache_salt: Option<&str>) -> u64 {
-        let mut buf = Vec::with_capacity(32);
-        buf.extend_from_slice(b"kvroute-dual");
-        for part in [lora, cache_salt.filter(|s| !s.is_empty())] {
-            match part {
-                Some(p) => {
-                    buf.push(1);
-                    buf.extend_from_slice(p.as_bytes());
-                }
-                None => buf.push(0),
-            }
-            buf.push(0xff);
-        }
-        xxh3_64(&buf)
-    }
-
-    /// Append the keys of the full blocks of `ids` chained from `parent`; returns the last key
-    /// (or `parent` when `ids` holds no full block).
-    pub fn chain(&self, parent: u64, ids: &[u32], out: &mut Vec<BlockKey>, scratch: &mut Vec<u8>) -> u64 {
-        let mut p = parent;
-        for block in ids.chunks_exact(self.block_tokens as usize) {
-            p = xxh3_64_with_seed(token_bytes(block, scratch), p);
-            out.push(p);
-        }
-        p
-    }
-
-    /// The keys of a request into `out` (cleared first). Returns `false`, leaving `out` empty,
-    /// when a prompt sequence is text (precise keys need token ids). Keys end at the request's
-    /// [`KeyLimit`](crate::request::KeyLimit), as in [`ApproxHashing::request_keys`].
-    pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) -> bool {
-        out.keys.clear();
-        out.seq_starts.clear();
-        out.block_tokens = self.block_tokens;
-        out.anchor = 0;
-        out.unkeyed_blocks = 0;
-        let root = Self::root(req.lora_adapter.as_deref(), req.cache_salt.as_deref());
-        let mut scratch = Vec::with_capacity(self.block_tokens as usize * 4);
-        let mut extra = 0u64;
-        for (i, p) in req.prompts.iter().enumerate() {
-            let Prompt::Tokens(ids) = p else {
-                out.keys.clear();
-                out.seq_starts.clear();
-                return false;
-            };
-            out.seq_starts.push(u32::try_from(out.keys.len()).unwrap_or(u32::MAX));
-            let ids = match req.key_limit {
-                Some(l) if i == l.prompt => &ids[..l.keyed_len.min(ids.len())],
-                Some(l) if i > l.prompt => &[],
-                _ => &ids[..],
-            };
-            let before = out.keys.len();
-            let last = self.chain(root, ids, &mut out.keys, &mut scratch);
-            out.anchor ^= last;
-            if req.key_limit.is_some_and(|l| l.prompt == i) {
-                extra = (ids.len() - (out.keys.len() - before) * self.block_tokens as usize) as u64;
-            }
-        }
-        // Token ids are tokens: no byte estimate is involved.
-        if req.key_limit.is_some() {
-            out.unkeyed_blocks =
-                RequestKeys::blocks_for(req.unkeyed_tokens(1).saturating_add(extra), self.block_tokens);
-        }
-        true
-    }
-}
-
 /// rapidhash v3 for wasm32, bit-identical to `rapidhash::v3::rapidhash_v3` (default secrets).
 ///
 /// Why a second implementation: the crate computes its 64×64→128-bit multiplies with `u128`, and
@@ -520,6 +432,7 @@ mod wide {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::precise::DualKeyHashing;
 
     const H: ApproxHashing = ApproxHashing { block_tokens: 4, bytes_per_token: 4, hash_seed: 0 };
 

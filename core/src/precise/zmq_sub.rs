@@ -20,7 +20,7 @@
 //!   `["", "", END_SEQ, ""]`; vLLM ≤ 0.23 sends `["", seq, payload]` and ends with
 //!   `["", END_SEQ, ""]`. [`END_SEQ`] is `-1` as a signed 8-byte big-endian integer. A replayed
 //!   batch without a topic frame is not filtered by [`SubscriberConfig::topic`].
-//! - Payloads are decoded by [`crate::events::decode_batch`] (see its module for the event
+//! - Payloads are decoded by [`crate::precise::events::decode_batch`] (see its module for the event
 //!   formats: vLLM ≤ 0.23 arrays, vLLM ≥ 0.24 and SGLang maps, extra keys, lookahead, offload
 //!   re-announcements).
 //!
@@ -111,13 +111,15 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+pub use crate::clock::{unix_clock, unix_time_ms, Clock};
 
 use serde::{Deserialize, Serialize};
 
 use crate::endpoints::validate_endpoint_id;
 use crate::error::{EventIngestError, StateError};
-use crate::events::EventError;
+use crate::precise::events::EventError;
 use crate::precise::StreamVerdict;
 use crate::router::Router;
 
@@ -133,9 +135,6 @@ pub const MAX_REPLAY_TIMEOUT_MS: u64 = 600_000;
 pub const END_SEQ: u64 = u64::MAX;
 /// Messages received per wake-up before the stop flag is looked at again.
 const MAX_DRAIN: usize = 1024;
-
-/// A source of `now` in milliseconds, shared with the rest of the program (see the module docs).
-pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// A callback told about everything unusual on the stream (called on the worker thread: keep
 /// it short and non-blocking; a panic in it ends the subscription).
@@ -219,16 +218,6 @@ impl Hooks {
         self.batch_sink = Some(sink);
         self
     }
-}
-
-/// Milliseconds since the UNIX epoch (0 if the system clock is before it).
-pub fn unix_time_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-/// A [`Clock`] reading [`unix_time_ms`].
-pub fn unix_clock() -> Clock {
-    Arc::new(unix_time_ms)
 }
 
 /// Whether the subscriber binds its `SUB` socket or connects it.

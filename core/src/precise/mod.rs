@@ -1,0 +1,19 @@
+//! The precise pipeline: what each engine reports it holds.
+//!
+//! - feed: engines' KV events, as msgpack batches ([`events`]: types and the decoder), received by
+//!   the ZMQ subscriber (`zmq_sub`, feature `zmq`) or handed in by a binding;
+//! - keys ([`PreciseKeys`]): the router's dual keys chained over token ids, or the engines' own
+//!   block hashes ([`engine_hash`]: vLLM's hasher, pickle and CBOR encoders);
+//! - index ([`KvIndex`]): the event-fed store (the shared [`crate::index::PrefixIndex`]) with its
+//!   per-publisher stream judgment and the speculative entries of requests just routed.
+
+pub mod engine_hash;
+pub mod events;
+mod index;
+mod keys;
+mod speculation;
+#[cfg(feature = "zmq")]
+pub mod zmq_sub;
+
+pub use index::{ApplyOutcome, KvIndex, PreciseStats, StreamInfo, StreamVerdict, MAX_PUBLISHER_TS_S, RECENT_BATCHES};
+pub use keys::{DualKeyHashing, PreciseKeys};
