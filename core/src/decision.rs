@@ -238,8 +238,25 @@ pub struct Shed {
     pub reason: String,
 }
 
+/// What a decision does with the request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Send it to `endpoint` (the decode endpoint, or the only one) in `mode`; `prefill_endpoint`
+    /// is set exactly when the mode is disaggregated.
+    Routed {
+        /// Target (decode) endpoint.
+        endpoint: Arc<str>,
+        /// Prefill endpoint (disaggregated only).
+        prefill_endpoint: Option<Arc<str>>,
+        /// How it is served.
+        mode: Mode,
+    },
+    /// Refuse it (answer with the shed's status and reason).
+    Shed(Shed),
+}
+
 /// The routing decision for one request.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     /// The id to pass to `complete` (the caller's `x-request-id`, made unique, or generated).
     pub request_id: String,
@@ -247,14 +264,8 @@ pub struct Decision {
     pub policy_version: u64,
     /// The rule that fired.
     pub rule: Rule,
-    /// The mode (`None` when shed).
-    pub mode: Option<Mode>,
-    /// Target (decode) endpoint (`None` when shed).
-    pub endpoint: Option<Arc<str>>,
-    /// Prefill endpoint (disaggregated only).
-    pub prefill_endpoint: Option<Arc<str>>,
-    /// Set when the request is shed.
-    pub shed: Option<Shed>,
+    /// Routed (endpoint, prefill endpoint, mode) or shed (status, reason).
+    pub outcome: Outcome,
     /// Headers to set on the upstream request (or on the 429 answer when shed).
     pub headers: Vec<(&'static str, String)>,
     /// The judgment used.
@@ -277,29 +288,93 @@ pub struct Decision {
     pub scores: Vec<EndpointScore>,
     /// The state changes this decision made, for other router instances to apply
     /// (`Router::apply_effect`); set only when `Router::record_effects(true)` and not shed.
-    #[serde(skip)]
     pub effect: Option<Arc<crate::effect::RoutingEffect>>,
+}
+
+/// The JSON form of a decision: the outcome's parts as flat, nullable fields (`mode`,
+/// `endpoint`, `prefill_endpoint`, `shed`), as the bindings and fixtures read it.
+#[derive(Serialize)]
+struct DecisionJson<'a> {
+    request_id: &'a str,
+    policy_version: u64,
+    rule: Rule,
+    mode: Option<Mode>,
+    endpoint: Option<&'a str>,
+    prefill_endpoint: Option<&'a str>,
+    shed: Option<&'a Shed>,
+    headers: &'a [(&'static str, String)],
+    judgment: Judgment,
+    input_tokens: u64,
+    prefix_hit: f64,
+    cached_tokens: u64,
+    saturation: f64,
+    relaxed_filters: bool,
+    transfer: Option<TransferEstimate>,
+    endpoints: &'a [Arc<str>],
+    scores: &'a [EndpointScore],
+}
+
+impl Serialize for Decision {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        DecisionJson {
+            request_id: &self.request_id,
+            policy_version: self.policy_version,
+            rule: self.rule,
+            mode: self.mode(),
+            endpoint: self.endpoint(),
+            prefill_endpoint: self.prefill_endpoint(),
+            shed: self.shed(),
+            headers: &self.headers,
+            judgment: self.judgment,
+            input_tokens: self.input_tokens,
+            prefix_hit: self.prefix_hit,
+            cached_tokens: self.cached_tokens,
+            saturation: self.saturation,
+            relaxed_filters: self.relaxed_filters,
+            transfer: self.transfer,
+            endpoints: &self.endpoints,
+            scores: &self.scores,
+        }
+        .serialize(s)
+    }
 }
 
 impl Decision {
     /// The mode (`None` when shed).
     pub fn mode(&self) -> Option<Mode> {
-        self.mode
+        match &self.outcome {
+            Outcome::Routed { mode, .. } => Some(*mode),
+            Outcome::Shed(_) => None,
+        }
     }
 
     /// The target (decode) endpoint (`None` when shed).
-    pub fn endpoint(&self) -> Option<&Arc<str>> {
-        self.endpoint.as_ref()
+    pub fn endpoint(&self) -> Option<&str> {
+        match &self.outcome {
+            Outcome::Routed { endpoint, .. } => Some(endpoint),
+            Outcome::Shed(_) => None,
+        }
     }
 
     /// The prefill endpoint (disaggregated only).
-    pub fn prefill_endpoint(&self) -> Option<&Arc<str>> {
-        self.prefill_endpoint.as_ref()
+    pub fn prefill_endpoint(&self) -> Option<&str> {
+        match &self.outcome {
+            Outcome::Routed { prefill_endpoint, .. } => prefill_endpoint.as_deref(),
+            Outcome::Shed(_) => None,
+        }
     }
 
     /// Why the request was shed (`None` when routed).
     pub fn shed(&self) -> Option<&Shed> {
-        self.shed.as_ref()
+        match &self.outcome {
+            Outcome::Shed(shed) => Some(shed),
+            Outcome::Routed { .. } => None,
+        }
+    }
+
+    /// Whether the request is routed (not shed).
+    pub fn is_routed(&self) -> bool {
+        matches!(self.outcome, Outcome::Routed { .. })
     }
 
     /// The score breakdown of one endpoint.

@@ -30,8 +30,8 @@
 //! router.complete(&first.request_id)?;
 //! // The same prompt again: the endpoint that served it is assumed to hold its KV cache.
 //! let again = router.route_http(body.to_string().as_bytes(), [("x-request-id", "r2")], 1_010)?;
-//! assert_eq!(again.endpoint, first.endpoint);
-//! assert_eq!(again.mode, Some(kvroute::Mode::DecodeDirect));
+//! assert_eq!(again.endpoint(), first.endpoint());
+//! assert_eq!(again.mode(), Some(kvroute::Mode::DecodeDirect));
 //! assert_eq!(again.header("x-kvroute-mode"), Some("decode-direct"));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -66,7 +66,7 @@ pub use precise::{engine_hash, events};
 
 pub use approx::{ApproxHashing, BlockKey, RequestKeys};
 pub use config::{Policy, PolicyConfig};
-pub use decision::{Decision, Judgment, JudgmentSource, Mode, Rule, Shed, TransferEstimate};
+pub use decision::{Decision, Judgment, JudgmentSource, Mode, Outcome, Rule, Shed, TransferEstimate};
 pub use effect::{EffectDecodeError, RoutingEffect};
 pub use endpoints::{EndpointSpec, MetricsSnapshot, Role};
 pub use engine_hash::{
@@ -82,5 +82,5 @@ pub use metrics::{parse_prometheus, MetricsError};
 pub use precise::DualKeyHashing;
 pub use precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats, StreamInfo, StreamVerdict};
 pub use request::{Api, ChatInput, ChatMessage, Horizon, JudgmentHint, Prompt, RawJson, RouteRequest};
-pub use router::{ActivePolicy, EndpointInfo, Router, RouterCounters, RouterStats};
+pub use router::{ActivePolicy, EndpointInfo, Router, RouterCore, RouterCounters, RouterStats};
 pub use score::{EndpointScore, FilterReason};

@@ -24,7 +24,7 @@ proptest! {
         let r = router();
         let before = snapshot(&r);
         match r.route_http(&body, headers.iter().map(|(k, v)| (k.as_str(), v.as_str())), 0) {
-            Ok(d) => prop_assert!(d.endpoint.is_some() || d.shed.is_some()),
+            Ok(d) => prop_assert!(d.endpoint().is_some() || d.shed().is_some()),
             Err(RouteError::Request(_)) => prop_assert_eq!(snapshot(&r), before),
             Err(e) => prop_assert!(false, "unexpected error {e:?}"),
         }

@@ -86,7 +86,7 @@ fn first_requests(r: &Router, prompts: &[String]) -> Vec<String> {
             idle_metrics(r, now);
             let d = route(r, &body(p, "first question"), &format!("t{t}-0"), now);
             r.complete(&d.request_id).unwrap();
-            d.endpoint.unwrap().to_string()
+            d.endpoint().unwrap().to_string()
         })
         .collect()
 }
@@ -114,7 +114,7 @@ fn distinct_tenants_arriving_one_at_a_time_leave_no_endpoint_idle() {
             idle_metrics(&r, now);
             let d = route(&r, &body(p, "first question"), &format!("t{t}-1"), now);
             r.complete(&d.request_id).unwrap();
-            assert_eq!(d.endpoint.as_deref(), Some(homes[t].as_str()), "set {seed}: tenant {t} lost its cache");
+            assert_eq!(d.endpoint(), Some(homes[t].as_str()), "set {seed}: tenant {t} lost its cache");
             assert!(d.prefix_hit > 0.99, "set {seed}: tenant {t} hit {}", d.prefix_hit);
         }
 
@@ -146,7 +146,7 @@ fn first_requests_on_two_instances(prompts: &[String], replicate: bool) -> Vec<S
                 peer.complete(&d.request_id).unwrap();
             }
             here.complete(&d.request_id).unwrap();
-            d.endpoint.unwrap().to_string()
+            d.endpoint().unwrap().to_string()
         })
         .collect()
 }

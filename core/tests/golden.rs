@@ -37,11 +37,11 @@ fn view(d: &Decision) -> Value {
         "request_id": d.request_id,
         "policy_version": d.policy_version,
         "rule": d.rule.as_str(),
-        "mode": d.mode.map(|m| m.as_str()),
-        "endpoint": d.endpoint.as_deref(),
-        "prefill_endpoint": d.prefill_endpoint.as_deref(),
-        "shed": d.shed.is_some(),
-        "status": d.shed.as_ref().map(|s| s.status),
+        "mode": d.mode().map(|m| m.as_str()),
+        "endpoint": d.endpoint(),
+        "prefill_endpoint": d.prefill_endpoint(),
+        "shed": d.shed().is_some(),
+        "status": d.shed().map(|s| s.status),
         "headers": headers,
         "prefix_hit": d.prefix_hit,
         "cached_tokens": d.cached_tokens,
@@ -183,7 +183,7 @@ fn run_case(path: &Path) -> Vec<String> {
                         if let Some(expect) = step.get("expect") {
                             check(&at, expect, &view(&d), &mut errors);
                         }
-                        if step.get("complete").and_then(Value::as_bool).unwrap_or(false) && d.shed.is_none() {
+                        if step.get("complete").and_then(Value::as_bool).unwrap_or(false) && d.shed().is_none() {
                             router.complete(&d.request_id).unwrap();
                         }
                     }

@@ -138,7 +138,7 @@ fn index_survives_a_reload_that_keeps_hashing_and_resets_when_hashing_changes() 
     let d = router.route_http(body.as_bytes(), [("a", "b")], 1).unwrap();
     router.complete(&d.request_id).unwrap();
     assert_eq!(d.prefix_hit, 1.0, "same hashing: entries kept");
-    assert_eq!(d.endpoint, first.endpoint);
+    assert_eq!(d.endpoint(), first.endpoint());
     assert_eq!(router.stats().counters.index_resets, 0);
 
     router.reload_str(r#"{"index":{"block_tokens":32}}"#).unwrap();

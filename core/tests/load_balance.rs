@@ -32,13 +32,13 @@ fn cached_vs_idle(policy: &str, queue: u32) -> (bool, f64) {
     let body = chat(&"a long shared system prompt ".repeat(400), "question");
     let first = router.route_http(body.as_bytes(), [("x", "y")], 0).unwrap();
     router.complete(&first.request_id).unwrap();
-    let cached = first.endpoint.unwrap();
+    let cached = first.endpoint().unwrap();
     let idle = if &*cached == a { b } else { a };
     router.update_metrics(&cached, metrics(queue, 10)).unwrap();
     router.update_metrics(idle, metrics(0, 10)).unwrap();
     let next = router.route_http(body.as_bytes(), [("x", "y")], 10).unwrap();
     let hit = next.score(&cached).unwrap().prefix_hit;
-    (next.endpoint.unwrap() == cached, hit)
+    (next.endpoint().unwrap() == cached, hit)
 }
 
 #[test]
@@ -112,7 +112,7 @@ fn hot_spot(duration_ms: u64) -> HotSpotRun {
         }
         let body = chat(&system, &format!("task number {i}"));
         let d = router.route_http(body.as_bytes(), [("x", "y")], now).unwrap();
-        let ep = d.endpoint.clone().unwrap().to_string();
+        let ep = d.endpoint().map(str::to_owned).unwrap().to_string();
         if i < 5 {
             first_five.push(ep.clone());
         }
@@ -155,7 +155,7 @@ fn fail_open_endpoint_prefers_healthy_decoders_with_the_fewest_requests_in_fligh
     }
     assert_eq!(r.fail_open_endpoint().as_deref(), Some("10.0.0.1:1"), "ties go in id order");
     let d = r.route(&RouteRequest::text("m", "hello"), 0).unwrap();
-    let busy = d.endpoint.unwrap();
+    let busy = d.endpoint().unwrap();
     let other = if &*busy == "10.0.0.1:1" { "10.0.0.2:1" } else { "10.0.0.1:1" };
     assert_eq!(r.fail_open_endpoint().as_deref(), Some(other), "fewest in flight");
     let inflight_before = r.stats().inflight_requests;
@@ -183,8 +183,8 @@ fn between_scrapes_the_routers_own_traffic_corrects_the_stale_snapshot() {
     }
     let hot = chat(&"the hot tenant's system prompt ".repeat(200), "q");
     let ids: Vec<_> = (0..3).map(|_| router.route_http(hot.as_bytes(), [("x", "y")], 1).unwrap()).collect::<Vec<_>>();
-    let x = ids[0].endpoint.clone().unwrap();
-    assert!(ids.iter().all(|d| d.endpoint.as_ref() == Some(&x)), "the repeats follow the cache");
+    let x = ids[0].endpoint().map(str::to_owned).unwrap();
+    assert!(ids.iter().all(|d| d.endpoint() == Some(&x)), "the repeats follow the cache");
     let y = if &*x == a { b } else { a };
     router
         .update_metrics(
@@ -200,7 +200,7 @@ fn between_scrapes_the_routers_own_traffic_corrects_the_stale_snapshot() {
     for i in 0..8 {
         let body = chat(&format!("cold tenant {i} ").repeat(150), "q");
         let d = router.route_http(body.as_bytes(), [("x", "y")], 6).unwrap();
-        *per.entry(d.endpoint.unwrap().to_string()).or_default() += 1;
+        *per.entry(d.endpoint().unwrap().to_string()).or_default() += 1;
     }
     assert_eq!(per.get(&*x), Some(&4), "{per:?}");
     assert_eq!(per.get(y), Some(&4), "{per:?}");
@@ -209,6 +209,6 @@ fn between_scrapes_the_routers_own_traffic_corrects_the_stale_snapshot() {
     router.update_metrics(&x, metrics(12, 7)).unwrap();
     router.update_metrics(y, metrics(0, 7)).unwrap();
     let d = router.route_http(chat("another cold one", "q").as_bytes(), [("x", "y")], 7).unwrap();
-    assert_eq!(d.endpoint.as_deref(), Some(y));
+    assert_eq!(d.endpoint(), Some(y));
     assert_eq!(d.score(&x).unwrap().queue, 12.0 / 8.0, "the reported queue, nothing added");
 }

@@ -52,7 +52,7 @@ fn keys(body: &str) -> RequestKeys {
 fn chats_that_differ_only_in_the_image_share_only_the_prefix_before_it() {
     let r = router();
     let first = r.route_http(with_image("https://example.invalid/cat.png").as_bytes(), [("x", "y")], 0).unwrap();
-    assert_eq!(first.endpoint.as_deref(), Some(A));
+    assert_eq!(first.endpoint(), Some(A));
     r.complete(&first.request_id).unwrap();
 
     let second = with_image("https://example.invalid/dog.png");
@@ -67,7 +67,7 @@ fn chats_that_differ_only_in_the_image_share_only_the_prefix_before_it() {
     let want = system_blocks as f64 / k.hit_blocks() as f64;
     assert!((d.prefix_hit - want).abs() < 1e-12, "{} vs {want}", d.prefix_hit);
     assert!(d.prefix_hit < 0.9);
-    assert_ne!(d.mode, Some(Mode::DecodeDirect), "a new image needs its prefill");
+    assert_ne!(d.mode(), Some(Mode::DecodeDirect), "a new image needs its prefill");
     assert!(d.input_tokens >= u64::from(MEDIA_PART_TOKENS));
 
     // The exact repeat, same URL: still not a full hit (the URL may serve other bytes).
@@ -97,7 +97,7 @@ fn an_image_appended_after_the_text_keeps_the_text_prefix() {
     let k = keys(&more);
     assert!(k.keys.len() >= text_blocks);
     let d = r.route_http(more.as_bytes(), [("x", "y")], 1).unwrap();
-    assert_eq!(d.endpoint, first.endpoint);
+    assert_eq!(d.endpoint(), first.endpoint());
     assert_eq!(d.score(A).unwrap().matched_blocks as usize, text_blocks, "every block of the text-only chat");
     assert!(d.prefix_hit < 1.0);
 }
@@ -151,14 +151,14 @@ fn prompt_embeds_are_never_a_full_hit() {
     });
     r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), 0).unwrap();
     let full = r.route_http(plain.as_bytes(), [("x", "y")], 1).unwrap();
-    assert_eq!((full.prefix_hit, full.mode), (1.0, Some(Mode::DecodeDirect)));
+    assert_eq!((full.prefix_hit, full.mode()), (1.0, Some(Mode::DecodeDirect)));
     r.complete(&full.request_id).unwrap();
     let d = r.route_http(embeds.as_bytes(), [("x", "y")], 2).unwrap();
     let s = d.score(B).unwrap();
     assert!(s.precise);
     assert_eq!(s.matched_blocks, 64);
     assert!((d.prefix_hit - 64.0 / 80.0).abs() < 1e-12, "{}", d.prefix_hit);
-    assert_ne!(d.mode, Some(Mode::DecodeDirect));
+    assert_ne!(d.mode(), Some(Mode::DecodeDirect));
 }
 
 fn data_image(b64: &str) -> Value {
@@ -196,7 +196,7 @@ fn inline_images_are_keyed_by_their_data() {
     assert_eq!(d.score(A).unwrap().matched_blocks as usize, k1.keys.len(), "past the image");
     r.complete(&d.request_id).unwrap();
     let again = r.route_http(turn2.as_bytes(), [("x", "y")], 2).unwrap();
-    assert_eq!((again.prefix_hit, again.mode), (1.0, Some(Mode::DecodeDirect)));
+    assert_eq!((again.prefix_hit, again.mode()), (1.0, Some(Mode::DecodeDirect)));
     r.complete(&again.request_id).unwrap();
 
     // Another image: only the blocks that end before the user message's content starts.
@@ -205,7 +205,7 @@ fn inline_images_are_keyed_by_their_data() {
     let before = (system().len() + "\u{1}system\u{2}\u{3}\u{1}user\u{2}".len()) / (64 * 4);
     assert_eq!(d.score(A).unwrap().matched_blocks as usize, before);
     assert!(d.prefix_hit < 0.9);
-    assert_ne!(d.mode, Some(Mode::DecodeDirect));
+    assert_ne!(d.mode(), Some(Mode::DecodeDirect));
 }
 
 /// A part's `uuid` is vLLM's identifier for its media: the same uuid (and part) is the same

@@ -53,7 +53,7 @@ fn precise_mode_routes_to_the_endpoint_whose_engine_holds_the_prefix() {
     // we will make win through the cache, so give A the blocks).
     r.apply_batch(A, &batch(1.0, vec![stored(1000, 48, 0, None, Medium::Gpu)]), Some(0), 10).unwrap();
     let d = r.route_http(body(1024).as_bytes(), [("x", "y")], 20).unwrap();
-    assert_eq!(d.endpoint.as_deref(), Some(A));
+    assert_eq!(d.endpoint(), Some(A));
     let a = d.score(A).unwrap();
     assert!(a.precise);
     assert_eq!((a.matched_blocks, a.cached_tokens), (48, 768));
@@ -63,7 +63,7 @@ fn precise_mode_routes_to_the_endpoint_whose_engine_holds_the_prefix() {
     r.complete(&d.request_id).unwrap();
     r.apply_batch(A, &batch(2.0, vec![stored(2000, 16, 768, Some(1047), Medium::Gpu)]), Some(1), 30).unwrap();
     let d = r.route_http(body(1024).as_bytes(), [("x", "y")], 40).unwrap();
-    assert_eq!((d.prefix_hit, d.rule, d.mode), (1.0, Rule::DecodeDirect, Some(Mode::DecodeDirect)));
+    assert_eq!((d.prefix_hit, d.rule, d.mode()), (1.0, Rule::DecodeDirect, Some(Mode::DecodeDirect)));
 }
 
 #[test]
@@ -100,11 +100,11 @@ fn speculative_entries_cover_the_ttl_and_then_go() {
     let r = router("precise");
     let first = r.route_http(body(1024).as_bytes(), [("x", "y")], 0).unwrap();
     r.complete(&first.request_id).unwrap();
-    let target = first.endpoint.clone().unwrap();
+    let target = first.endpoint().map(str::to_owned).unwrap();
     // Within the 2 s TTL the next request sees the speculative prefix on the same endpoint.
     let again = r.route_http(body(1024).as_bytes(), [("x", "y")], 1_500).unwrap();
     r.complete(&again.request_id).unwrap();
-    assert_eq!(again.endpoint, first.endpoint);
+    assert_eq!(again.endpoint(), first.endpoint());
     assert_eq!(again.score(&target).unwrap().prefix_hit, 1.0);
     assert_eq!(r.stats().precise.speculative_requests, 2);
     // No event confirmed it: after the TTL of the second speculation it is gone.
@@ -117,7 +117,7 @@ fn confirmed_blocks_outlive_speculation() {
     let r = router("precise");
     let d = r.route_http(body(512).as_bytes(), [("x", "y")], 0).unwrap();
     r.complete(&d.request_id).unwrap();
-    let target = d.endpoint.unwrap();
+    let target = d.endpoint().unwrap();
     r.apply_batch(&target, &batch(1.0, vec![stored(1000, 16, 0, None, Medium::Gpu)]), Some(0), 100).unwrap();
     let later = r.route_http(body(512).as_bytes(), [("x", "y")], 10_000).unwrap();
     assert_eq!(later.score(&target).unwrap().matched_blocks, 16, "confirmed half stays, speculative half went");
@@ -131,7 +131,7 @@ fn hybrid_uses_precise_only_for_healthy_streams_and_token_prompts() {
     let d = r.route_http(body(1024).as_bytes(), [("x", "y")], 10).unwrap();
     assert!(d.score(A).unwrap().precise);
     assert!(!d.score(B).unwrap().precise);
-    assert_eq!(d.endpoint.as_deref(), Some(A));
+    assert_eq!(d.endpoint(), Some(A));
     // A text prompt has no token ids: every endpoint is scored from the approximate index.
     let text = serde_json::json!({"model": "m", "prompt": "hello ".repeat(400), "max_tokens": 300}).to_string();
     let d = r.route_http(text.as_bytes(), [("x", "y")], 20).unwrap();
@@ -225,7 +225,7 @@ fn engine_keys_match_vllm_hashes_end_to_end() {
         serde_json::json!({"model": "sql", "prompt": tokens, "max_tokens": 100, "cache_salt": salt}).to_string()
     };
     let d = r.route_http(body("tenant-42").as_bytes(), [("x", "y")], 10).unwrap();
-    assert_eq!(d.endpoint.as_deref(), Some(B));
+    assert_eq!(d.endpoint(), Some(B));
     assert_eq!(d.score(B).unwrap().matched_blocks, keys.len() as u32);
     assert_eq!(d.prefix_hit, 1.0);
     // Another tenant's salt changes every engine hash: no match.

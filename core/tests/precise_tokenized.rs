@@ -67,7 +67,7 @@ fn chat_requests_hit_what_the_engine_reports() {
     assert!(blocks > 20);
     r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), 0).unwrap();
     let d = r.route_http(turn1.as_bytes(), [("x", "y")], 10).unwrap();
-    assert_eq!(d.endpoint.as_deref(), Some(B));
+    assert_eq!(d.endpoint(), Some(B));
     let b = d.score(B).unwrap();
     assert!(b.precise);
     assert_eq!(b.matched_blocks as usize, blocks);
@@ -82,7 +82,7 @@ fn chat_requests_hit_what_the_engine_reports() {
     // Turn 2 extends the conversation: it hits turn 1's stored blocks on B (a prefix).
     let turn2 = chat(2);
     let d2 = r.route_http(turn2.as_bytes(), [("x", "y")], 20).unwrap();
-    assert_eq!(d2.endpoint.as_deref(), Some(B));
+    assert_eq!(d2.endpoint(), Some(B));
     let m = d2.score(B).unwrap().matched_blocks as usize;
     assert!(m > 10 && m <= blocks, "turn 2 matches the shared prefix of turn 1: {m} of {blocks}");
     assert!(d2.prefix_hit < 1.0);
@@ -126,7 +126,7 @@ fn chats_that_differ_only_in_the_image_share_only_the_prefix_before_it() {
     r.set_tokenizer(Some(tok.clone()));
     let first = image_chat("https://example.invalid/cat.png");
     let d = r.route_http(first.as_bytes(), [("x", "y")], 0).unwrap();
-    let target = d.endpoint.clone().unwrap();
+    let target = d.endpoint().map(str::to_owned).unwrap();
     r.complete(&d.request_id).unwrap();
 
     // Within the speculative TTL, the chat with another image: the router's own speculation
@@ -140,7 +140,7 @@ fn chats_that_differ_only_in_the_image_share_only_the_prefix_before_it() {
     assert!(s.precise);
     assert_eq!(s.matched_blocks as usize, keyable_blocks, "the system prompt, nothing past the image's message");
     assert!(d.prefix_hit < 0.9, "{}", d.prefix_hit);
-    assert_ne!(d.mode, Some(kvroute::Mode::DecodeDirect));
+    assert_ne!(d.mode(), Some(kvroute::Mode::DecodeDirect));
     assert!(d.input_tokens > keyable.len() as u64 + 256);
     assert_eq!(r.stats().counters.tokenize_errors, 0);
 }
@@ -166,7 +166,7 @@ fn an_engine_holding_the_text_prefix_is_hit_up_to_the_image() {
     let want = (common / 16).min(blocks).min(keyable.len() / 16);
     assert!(want > 20);
     let d = r.route_http(body.as_bytes(), [("x", "y")], 10).unwrap();
-    assert_eq!(d.endpoint.as_deref(), Some(B));
+    assert_eq!(d.endpoint(), Some(B));
     assert_eq!(d.score(B).unwrap().matched_blocks as usize, want, "the text prefix, up to the image");
     assert!(d.prefix_hit < 1.0);
 }

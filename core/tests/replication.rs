@@ -56,7 +56,7 @@ fn an_applied_effect_gives_the_peer_the_same_residency_load_and_affinity() {
     let mut req = RouteRequest::text("m", &prompt);
     req.session_id = Some("conversation-7".into());
     let d = a.route(&req, 10).unwrap();
-    let target = d.endpoint.clone().unwrap();
+    let target = d.endpoint().map(str::to_owned).unwrap();
     let effect = d.effect.clone().expect("recorded");
     assert_eq!((&*effect.target, effect.request_id.as_str()), (&*target, d.request_id.as_str()));
 
@@ -76,7 +76,7 @@ fn an_applied_effect_gives_the_peer_the_same_residency_load_and_affinity() {
     assert_eq!(inflight(&b, &target), 1);
 
     let again = b.route(&req, 12).unwrap();
-    assert_eq!(again.endpoint.as_deref(), Some(&*target));
+    assert_eq!(again.endpoint(), Some(&*target));
     assert_eq!(again.prefix_hit, 1.0);
     assert_eq!(again.rule, Rule::DecodeDirect);
     assert!(again.score(&target).unwrap().session > 0.0, "session affinity replicated");
@@ -101,17 +101,17 @@ fn precise_speculation_and_prefill_load_replicate() {
     let d = a.route_http(token_body(1024).as_bytes(), [("x-request-id", "r1")], 10).unwrap();
     let e = d.effect.clone().unwrap();
     assert_eq!(e.precise_keys.len(), 64, "1024 tokens in 16-token blocks");
-    assert_eq!(e.prefill.as_deref(), d.prefill_endpoint.as_deref());
-    assert_eq!(d.prefill_endpoint.as_deref(), Some(P), "a long cold prompt is disaggregated");
+    assert_eq!(e.prefill.as_deref(), d.prefill_endpoint());
+    assert_eq!(d.prefill_endpoint(), Some(P), "a long cold prompt is disaggregated");
     b.apply_effect(&e).unwrap();
-    let target = d.endpoint.unwrap();
+    let target = d.endpoint().unwrap();
     assert_eq!(inflight(&b, P), 1);
     // The peer now sees the speculative entries the origin made: same match on the target.
     let on_a = a.route_http(token_body(1024).as_bytes(), [("x-request-id", "r2")], 20).unwrap();
     let on_b = b.route_http(token_body(1024).as_bytes(), [("x-request-id", "r2")], 20).unwrap();
     assert_eq!(on_a.score(&target).unwrap().matched_blocks, 64);
     assert_eq!(on_b.score(&target).unwrap().matched_blocks, 64);
-    assert_eq!(on_a.endpoint, on_b.endpoint);
+    assert_eq!(on_a.endpoint(), on_b.endpoint());
     // Speculation expires on the peer as on the origin.
     let ttl = b.policy().policy.config().index.speculative_ttl_ms;
     let late = b.route_http(token_body(1024).as_bytes(), [("x-request-id", "r3")], 20 + ttl + 1).unwrap();
@@ -126,7 +126,7 @@ fn keys_from_a_different_policy_are_not_applied() {
     let d = a.route(&RouteRequest::text("m", &"y".repeat(8192)), 1).unwrap();
     b.apply_effect(d.effect.as_deref().unwrap()).unwrap();
     assert_eq!(b.stats().index.memberships, 0, "keys made under other hashing are skipped");
-    assert_eq!(inflight(&b, d.endpoint.as_deref().unwrap()), 1, "the load still counts");
+    assert_eq!(inflight(&b, d.endpoint().unwrap()), 1, "the load still counts");
 }
 
 #[test]

@@ -41,7 +41,7 @@ fn body(first: u32, n: u32) -> String {
 fn route(r: &Router, prompt: &str, now: u64) -> String {
     let d = r.route_http(prompt.as_bytes(), [("x", "y")], now).unwrap();
     r.complete(&d.request_id).unwrap();
-    d.endpoint.unwrap().to_string()
+    d.endpoint().unwrap().to_string()
 }
 
 /// The blocks of `prompt` matched on `endpoint` at `now` (the probe's own speculation is made
@@ -109,7 +109,7 @@ fn a_far_future_expiry_from_another_instance_is_held_to_the_ttl() {
     a.record_effects(true);
     let prompt = body(0, 512);
     let d = a.route_http(prompt.as_bytes(), [("x-request-id", "r1")], 10).unwrap();
-    let target = d.endpoint.clone().unwrap();
+    let target = d.endpoint().map(str::to_owned).unwrap();
     let mut e = d.effect.unwrap().as_ref().clone();
     // The other instance's clock (or a bug) puts the expiry hours ahead.
     e.speculative_expires_ms = 10 + 10 * 3_600_000;

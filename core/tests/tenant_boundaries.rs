@@ -44,7 +44,7 @@ fn session_affinity_is_keyed_by_tenant_as_well_as_session_id() {
         )
         .unwrap();
     r.complete(&a.request_id).unwrap();
-    let here = a.endpoint.unwrap();
+    let here = a.endpoint().unwrap();
     // Tenant a's next turn is steered back by its session.
     let a2 = r
         .route_http(

@@ -48,7 +48,7 @@ fn a_tenant_never_hits_another_tenants_cache() {
     assert!(b.scores.iter().all(|s| s.prefix_hit == 0.0), "tenant b sees nothing of tenant a");
     let a2 = router.route_http(body(&prompt, Some("tenant-a")).as_bytes(), [("k", "v")], 2).unwrap();
     assert_eq!(a2.prefix_hit, 1.0, "tenant a still hits its own cache");
-    assert_eq!(a2.endpoint, a.endpoint);
+    assert_eq!(a2.endpoint(), a.endpoint());
     let none = router.route_http(body(&prompt, None).as_bytes(), [("k", "v")], 3).unwrap();
     assert!(none.scores.iter().all(|s| s.prefix_hit == 0.0), "unsalted requests share nothing with salted ones");
 }
@@ -76,7 +76,7 @@ fn an_empty_cache_salt_is_no_salt_in_approximate_keys() {
     let a = router.route_http(body(&prompt, None).as_bytes(), [("k", "v")], 0).unwrap();
     router.complete(&a.request_id).unwrap();
     let b = router.route_http(body(&prompt, Some("")).as_bytes(), [("k", "v")], 1).unwrap();
-    assert_eq!((b.prefix_hit, &b.endpoint), (1.0, &a.endpoint), "\"\" hits the unsalted cache");
+    assert_eq!((b.prefix_hit, &b.endpoint()), (1.0, &a.endpoint()), "\"\" hits the unsalted cache");
     router.complete(&b.request_id).unwrap();
     req.cache_salt = Some(String::new());
     let c = router.route(&req, 2).unwrap();
@@ -119,7 +119,7 @@ fn an_empty_cache_salt_is_no_salt_in_dual_keys() {
         let s = d.score("10.0.0.2:8000").unwrap();
         assert!(s.precise);
         assert_eq!((s.matched_blocks, d.prefix_hit), (8, 1.0), "event salt {event_salt:?}, body salt {body_salt:?}");
-        assert_eq!(d.endpoint.as_deref(), Some("10.0.0.2:8000"));
+        assert_eq!(d.endpoint(), Some("10.0.0.2:8000"));
     }
 }
 
@@ -140,9 +140,9 @@ fn sheddable_requests_are_shed_only_when_saturated() {
     let r = saturated_router(5, 0.1, 1000);
     let d = r.route_http(p.as_bytes(), [("x-kvroute-priority", "-1")], 1000).unwrap();
     assert_eq!(d.rule, Rule::Shed);
-    assert_eq!(d.mode, None);
-    assert_eq!(d.endpoint, None);
-    let shed = d.shed.as_ref().unwrap();
+    assert_eq!(d.mode(), None);
+    assert_eq!(d.endpoint(), None);
+    let shed = d.shed().unwrap();
     assert_eq!(shed.status, 429);
     assert!(shed.reason.contains("saturated"), "{}", shed.reason);
     assert_eq!(d.header("x-kvroute-shed-reason"), Some(shed.reason.as_str()));
@@ -155,7 +155,7 @@ fn sheddable_requests_are_shed_only_when_saturated() {
     for prio in ["0", "3"] {
         let d = r.route_http(p.as_bytes(), [("x-kvroute-priority", prio)], 1000).unwrap();
         assert_ne!(d.rule, Rule::Shed);
-        assert!(d.endpoint.is_some());
+        assert!(d.endpoint().is_some());
     }
     // KV usage saturates too (0.8 threshold).
     let r = saturated_router(0, 0.85, 1000);

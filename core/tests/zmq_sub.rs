@@ -427,7 +427,7 @@ fn in_order_stream_is_applied_and_routes() {
     // Endpoint A holds the whole 256-token prompt per its engine: a full precise hit, although
     // B has the shorter queue.
     let d = route(&r, 256, &clock);
-    assert_eq!(d.endpoint.as_deref(), Some(A));
+    assert_eq!(d.endpoint(), Some(A));
     assert!(d.score(A).unwrap().precise);
     assert_eq!((matched(&d, A), matched(&d, B)), (16, 0));
     assert_eq!(d.prefix_hit, 1.0);
@@ -480,7 +480,7 @@ fn bind_mode_publisher_connects_and_old_event_encoding_is_applied() {
     }
     wait_for(&sub, "3 applied batches", |s| s.applied == 3);
     let d = route(&r, 192, &clock);
-    assert_eq!((d.endpoint.as_deref(), matched(&d, A)), (Some(A), 12));
+    assert_eq!((d.endpoint(), matched(&d, A)), (Some(A), 12));
     let stats = stop(sub);
     assert_eq!((stats.batches, stats.applied, stats.decode_errors), (3, 3, 0));
 
@@ -530,7 +530,7 @@ fn gap_is_replayed(format: ReplayFormat) {
     assert_eq!((got_p.gaps, got_p.resyncs), (1, 0));
     assert!(healthy(&r, A));
     let d = route(&r, 384, &clock);
-    assert_eq!((d.endpoint.as_deref(), matched(&d, A)), (Some(A), 20));
+    assert_eq!((d.endpoint(), matched(&d, A)), (Some(A), 20));
     assert_eq!(matched(&route(&want, 384, &clock), A), 20);
 }
 

@@ -1,0 +1,336 @@
+//! The router: [`RouterCore`], the single-threaded state machine that makes every decision, and
+//! [`Router`], the thread-safe wrapper the bindings share.
+//!
+//! - `policy.rs`: [`ActivePolicy`] (a validated policy, its version and derived parameters);
+//! - `state.rs`: [`RouterCore`]'s tables and the operations on them (endpoints, metrics, events,
+//!   completions, reload, stats);
+//! - `route.rs`: the decision in phases (keys → features → filters → pick → admission → mode →
+//!   book-keeping → decision);
+//! - `inflight.rs`: requests in flight, request ids, session keys;
+//! - `replication.rs`: applying another instance's [`RoutingEffect`];
+//! - `exposition.rs`: the Prometheus metrics page.
+
+mod exposition;
+mod inflight;
+mod policy;
+mod replication;
+mod route;
+mod state;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use arc_swap::ArcSwap;
+
+pub use policy::ActivePolicy;
+pub use state::{EndpointInfo, RouterCore, RouterCounters, RouterStats};
+
+use crate::config::Policy;
+use crate::decision::Decision;
+use crate::effect::RoutingEffect;
+use crate::endpoints::{EndpointSpec, MetricsSnapshot};
+use crate::error::{ConfigError, EventIngestError, RouteError, StateError};
+use crate::precise::events::EventBatch;
+use crate::precise::ApplyOutcome;
+use crate::request::RouteRequest;
+use route::{prepare_keys, KeyBufs};
+
+/// The router. `Send + Sync`: share it behind an `Arc` and call it from any thread.
+///
+/// A [`RouterCore`] behind one mutex, plus the policy in an [`ArcSwap`] cell: every decision
+/// loads the policy once, so a decision is made entirely under one policy version, and
+/// [`Router::reload`] swaps it atomically. Request parsing, block hashing and tokenization happen
+/// outside the lock, into per-thread buffers; the decision itself runs under it.
+pub struct Router {
+    policy: ArcSwap<ActivePolicy>,
+    core: Mutex<RouterCore>,
+    /// Turns text and chat prompts into the engine's token ids for the precise index.
+    #[cfg(feature = "tokenizer")]
+    tokenizer: arc_swap::ArcSwapOption<crate::tokenize::Tokenizer>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router").field("policy_version", &self.policy.load().version).finish_non_exhaustive()
+    }
+}
+
+impl Default for Router {
+    fn default() -> Self {
+        Router::new(Policy::default())
+    }
+}
+
+std::thread_local! {
+    /// Per-thread key buffers (keys are computed before the lock is taken).
+    static KEYS: std::cell::Cell<KeyBufs> = std::cell::Cell::new(KeyBufs::default());
+}
+
+impl From<RouterCore> for Router {
+    fn from(core: RouterCore) -> Router {
+        Router {
+            policy: ArcSwap::new(core.policy().clone()),
+            core: Mutex::new(core),
+            #[cfg(feature = "tokenizer")]
+            tokenizer: arc_swap::ArcSwapOption::empty(),
+        }
+    }
+}
+
+impl Router {
+    /// A router running `policy` (version 1) with no endpoints.
+    pub fn new(policy: Policy) -> Router {
+        Router::from(RouterCore::new(policy))
+    }
+
+    /// A router from a JSON policy document.
+    pub fn from_json(text: &str) -> Result<Router, ConfigError> {
+        Policy::from_json(text).map(Router::new)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, RouterCore> {
+        // Nothing in the core panics while holding the lock; should a bug ever do so, the state
+        // is still structurally valid, so keep serving rather than poison every later call.
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Run `f` on the core under the lock (for several operations that must see one state).
+    pub fn with_core<T>(&self, f: impl FnOnce(&mut RouterCore) -> T) -> T {
+        f(&mut self.lock())
+    }
+
+    /// Use `tokenizer` to compute precise keys for text and chat requests (native only; without
+    /// one, only token-id prompts get precise keys). Tokenization happens outside the state lock;
+    /// a request that fails to tokenize is routed without precise keys and counted in
+    /// `RouterCounters::tokenize_errors`.
+    #[cfg(feature = "tokenizer")]
+    pub fn set_tokenizer(&self, tokenizer: Option<Arc<crate::tokenize::Tokenizer>>) {
+        self.tokenizer.store(tokenizer);
+    }
+
+    /// The active policy.
+    pub fn policy(&self) -> Arc<ActivePolicy> {
+        self.policy.load_full()
+    }
+
+    /// Swap in a new (already validated) policy atomically and return its version.
+    ///
+    /// What happens to state:
+    /// - If the hashing parameters (`index.block_tokens`, `index.bytes_per_token`,
+    ///   `index.hash_seed`) change, the approximate index is cleared: keys made under the old
+    ///   parameters can never match keys made under the new ones, so keeping them would only
+    ///   waste memory. Routing continues immediately (cold for the index). A decision that began
+    ///   under the old policy and finishes after the swap neither reads nor writes the new index.
+    /// - If only `index.capacity_bytes_per_endpoint` changes, entries are kept; endpoints over the
+    ///   new capacity lose their oldest generations at once.
+    /// - Endpoints, metrics, in-flight counters and sessions are kept (the in-flight and session
+    ///   tables are resized to the new limits, releasing the oldest entries if they shrink).
+    pub fn reload(&self, policy: Policy) -> u64 {
+        let mut core = self.lock();
+        let version = core.reload(policy);
+        self.policy.store(core.policy().clone());
+        version
+    }
+
+    /// Parse (JSON if it starts with `{`, else YAML), validate and reload. On error the active
+    /// policy is untouched and keeps serving.
+    pub fn reload_str(&self, text: &str) -> Result<u64, ConfigError> {
+        match Policy::from_str_auto(text) {
+            Ok(p) => Ok(self.reload(p)),
+            Err(e) => {
+                self.lock().counters.reload_failures += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// Register an endpoint, or change the role of a registered one (its index entries, metrics
+    /// and counters are kept).
+    pub fn upsert_endpoint(&self, spec: EndpointSpec) -> Result<(), StateError> {
+        self.lock().upsert_endpoint(spec)
+    }
+
+    /// Remove an endpoint: its index entries are purged (at once for routing; memory is reclaimed
+    /// by the sweeper) and requests still in flight there are forgotten.
+    pub fn remove_endpoint(&self, id: &str) -> Result<(), StateError> {
+        self.lock().remove_endpoint(id)
+    }
+
+    /// Store a metrics snapshot (its `updated_ms` is the time it was taken).
+    ///
+    /// Until the next snapshot, scoring corrects it with what the router itself saw since: every
+    /// completion there takes one request off the reported waiting queue and one request's share
+    /// off the KV usage (the snapshot's usage per running request), never below 0; every request
+    /// it sent there (or applied from another instance's effect) adds one of each. Metrics lag by
+    /// a scrape interval while the router's own traffic is known at once; read as they are, a
+    /// stale report would send every request between two scrapes to whichever endpoint last
+    /// reported least.
+    pub fn update_metrics(&self, id: &str, metrics: MetricsSnapshot) -> Result<(), StateError> {
+        self.lock().update_metrics(id, metrics)
+    }
+
+    /// Mark an endpoint healthy or not (unhealthy endpoints are never picked).
+    pub fn set_healthy(&self, id: &str, healthy: bool) -> Result<(), StateError> {
+        self.lock().set_healthy(id, healthy)
+    }
+
+    /// Every endpoint, in id order.
+    pub fn endpoints(&self) -> Vec<EndpointInfo> {
+        self.lock().endpoints()
+    }
+
+    /// Where to send a request the router could not route (fail-open), or `None` when no
+    /// endpoint is registered.
+    ///
+    /// Not a routing decision: it keeps traffic flowing while something is wrong (a body the
+    /// engine will reject itself, no decode-capable endpoint, a binding's internal error). It
+    /// picks the endpoint with the fewest router-tracked requests in flight (then the shortest
+    /// reported queue, then id order) among healthy decode-capable endpoints, else among healthy
+    /// endpoints, else among all. Nothing is recorded: the request is not tracked in flight.
+    pub fn fail_open_endpoint(&self) -> Option<Arc<str>> {
+        self.lock().fail_open_endpoint()
+    }
+
+    /// A snapshot of sizes and counters.
+    pub fn stats(&self) -> RouterStats {
+        self.lock().stats()
+    }
+
+    /// The request finished (response fully sent or failed): release its in-flight counters.
+    pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
+        self.lock().complete(request_id)
+    }
+
+    /// Attach a [`RoutingEffect`] to every (non-shed) decision from now on (`Decision::effect`),
+    /// for replicating routing state to other router instances. Off by default: it copies the
+    /// request's block keys.
+    pub fn record_effects(&self, on: bool) {
+        self.lock().record_effects(on);
+    }
+
+    /// Apply the state changes a decision made by another router instance (sharing this one's
+    /// endpoints and policy): the assumed residency in the approximate index, the speculative
+    /// entries in the precise index, the in-flight request and the session affinity. Keys made
+    /// under a different index fingerprint (the instances run different policies for a moment
+    /// during a reload) are skipped; an effect whose request id is already in flight here is not
+    /// counted twice. Replicate completions with [`Router::complete`] on every instance.
+    ///
+    /// Request ids must be unique across the instances (give every request an `x-request-id`, as
+    /// Envoy does): generated `kvr-N` ids are unique only within one instance.
+    ///
+    /// Errors: `UnknownEndpoint` when the target or prefill endpoint is not registered here
+    /// (nothing is applied).
+    pub fn apply_effect(&self, e: &RoutingEffect) -> Result<(), StateError> {
+        self.lock().apply_effect(e)
+    }
+
+    /// Decode one KV-event payload published by `endpoint`'s engine (msgpack, vLLM or SGLang) and
+    /// apply it to the precise index. `seq` is the publisher's sequence number (ZMQ frame 2), when
+    /// known. A malformed payload is rejected whole and changes nothing.
+    pub fn apply_events(
+        &self,
+        endpoint: &str,
+        payload: &[u8],
+        seq: Option<u64>,
+        now_ms: u64,
+    ) -> Result<ApplyOutcome, EventIngestError> {
+        // Decoded outside the lock.
+        let batch = crate::precise::events::decode_batch(payload)?;
+        Ok(self.apply_batch(endpoint, &batch, seq, now_ms)?)
+    }
+
+    /// Apply an already decoded batch from `endpoint` (see [`Router::apply_events`]).
+    pub fn apply_batch(
+        &self,
+        endpoint: &str,
+        batch: &EventBatch,
+        seq: Option<u64>,
+        now_ms: u64,
+    ) -> Result<ApplyOutcome, StateError> {
+        self.lock().apply_batch(endpoint, batch, seq, now_ms)
+    }
+
+    /// Read `endpoint`'s `/metrics` page (vLLM or SGLang Prometheus text, taken at `now_ms`) and
+    /// store the snapshot; returns it. A page that cannot be read changes nothing.
+    pub fn update_metrics_from_prometheus(
+        &self,
+        endpoint: &str,
+        text: &str,
+        now_ms: u64,
+    ) -> Result<MetricsSnapshot, crate::metrics::MetricsError> {
+        let m = crate::metrics::parse_prometheus(text, now_ms)?;
+        self.update_metrics(endpoint, m.clone())?;
+        Ok(m)
+    }
+
+    /// Count a replay attempt of `endpoint`'s event subscriber (for `metrics_text`).
+    pub fn record_replay(&self, endpoint: &str, ok: bool) -> Result<(), StateError> {
+        self.lock().record_replay(endpoint, ok)
+    }
+
+    /// The router's metrics in Prometheus text exposition format: decisions by mode and rule,
+    /// the prefix-hit histogram, index sizes, event-stream health and lag, reloads.
+    /// `kvroute_event_lag_seconds` compares publisher timestamps with `now_ms`, so it is
+    /// meaningful when the router's clock is UNIX time (the bindings' default).
+    pub fn metrics_text(&self, now_ms: u64) -> String {
+        self.lock().metrics_text(now_ms)
+    }
+
+    /// Give up on `endpoint`'s gapped event stream (replay unavailable or too old): its precise
+    /// entries are cleared, its next batch is accepted as a fresh start, and it counts as stale
+    /// for `index.precise.stale_recovery_ms` (hybrid mode routes it with the approximate index
+    /// meanwhile).
+    pub fn resync_stream(&self, endpoint: &str, now_ms: u64) -> Result<(), StateError> {
+        self.lock().resync_stream(endpoint, now_ms)
+    }
+
+    /// Parse an HTTP request (body + headers) and route it, all under one policy version.
+    pub fn route_http<K, V>(
+        &self,
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        now_ms: u64,
+    ) -> Result<Decision, RouteError>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let active = self.policy.load_full();
+        let req = match RouteRequest::parse(body, headers, &active.policy.config().request) {
+            Ok(r) => r,
+            Err(e) => {
+                self.lock().counters.route_errors += 1;
+                return Err(e.into());
+            }
+        };
+        self.route_with(&active, &req, now_ms)
+    }
+
+    /// Route a parsed request at time `now_ms` (milliseconds on the caller's clock, the same clock
+    /// as metric timestamps).
+    pub fn route(&self, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
+        let active = self.policy.load_full();
+        self.route_with(&active, req, now_ms)
+    }
+
+    fn route_with(&self, active: &ActivePolicy, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
+        KEYS.with(|cell| {
+            let mut bufs = cell.take();
+            #[cfg(feature = "tokenizer")]
+            let tok = self.tokenizer.load_full();
+            prepare_keys(
+                active,
+                #[cfg(feature = "tokenizer")]
+                tok.as_deref(),
+                req,
+                &mut bufs,
+                now_ms,
+            );
+            let out = self.lock().decide(active, req, &bufs, now_ms);
+            cell.replace(bufs);
+            out
+        })
+    }
+}

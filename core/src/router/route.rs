@@ -1,0 +1,492 @@
+//! The decision, in phases:
+//!
+//! 1. **keys** ([`prepare_keys`]): block keys for the approximate index, precise keys (token ids,
+//!    or the tokenizer's) — pure, outside any lock in [`Router`](crate::Router);
+//! 2. **features** ([`RouterCore::features`]): expiry, both index matches, the session, and per
+//!    endpoint the score inputs and breakdown (with the filters' verdicts);
+//! 3. **filters** and **pick** ([`RouterCore::pick`]): the candidates (a filter that would leave
+//!    none is relaxed) and the picker's choice of decode endpoint;
+//! 4. **admission** ([`crate::admission`]): shed a sheddable request when the pool is saturated;
+//! 5. **mode** ([`RouterCore::mode`]): the prefill pick and the mode rules with the transfer-tax
+//!    model;
+//! 6. **book-keeping** ([`RouterCore::book`]): assumed residency, speculation, in-flight
+//!    counters, session affinity, counters;
+//! 7. **decision** ([`RouterCore::routed`], [`RouterCore::shed`]): the outcome, headers and
+//!    the replication effect.
+
+use std::sync::Arc;
+
+use super::inflight::{session_key, SlotRef};
+use super::policy::ActivePolicy;
+use super::state::RouterCore;
+use crate::admission;
+use crate::approx::RequestKeys;
+use crate::config::IndexMode;
+use crate::decision::{self, Decision, Judgment, Mode, ModeInputs, Outcome, Rule, Shed, TransferEstimate};
+use crate::effect::RoutingEffect;
+use crate::endpoints::Role;
+use crate::error::RouteError;
+use crate::index::MatchWeights;
+use crate::request::RouteRequest;
+use crate::score::{self, EndpointScore, FeatureInputs};
+
+/// A request's keys, computed before the state is touched.
+#[derive(Debug, Default)]
+pub(crate) struct KeyBufs {
+    approx: RequestKeys,
+    precise: RequestKeys,
+    has_precise: bool,
+    /// Input tokens when the tokenizer counted them.
+    exact_input_tokens: Option<u64>,
+    /// The tokenizer failed on the request (it is routed without precise keys).
+    tokenize_failed: bool,
+    scratch: Vec<u8>,
+}
+
+/// Phase 1: the request's keys under `active`, into `bufs`. `now_ms` is the chat templates'
+/// clock (`strftime_now`).
+pub(crate) fn prepare_keys(
+    active: &ActivePolicy,
+    #[cfg(feature = "tokenizer")] tokenizer: Option<&crate::tokenize::Tokenizer>,
+    req: &RouteRequest,
+    bufs: &mut KeyBufs,
+    now_ms: u64,
+) {
+    let _ = now_ms;
+    bufs.has_precise =
+        active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
+    if active.reads_approx() || !bufs.has_precise {
+        active.hashing.request_keys(req, &mut bufs.approx);
+    } else {
+        // Precise mode with precise keys: the approximate keys would be unused; only the
+        // tie-break anchor is needed.
+        bufs.approx.keys.clear();
+        bufs.approx.seq_starts.clear();
+        bufs.approx.anchor = bufs.precise.anchor;
+    }
+    bufs.exact_input_tokens = None;
+    bufs.tokenize_failed = false;
+    #[cfg(feature = "tokenizer")]
+    if let Some(tok) = tokenizer.filter(|_| active.reads_precise() && !bufs.has_precise) {
+        tokenize_into(active, tok, req, bufs);
+    }
+}
+
+#[cfg(feature = "tokenizer")]
+fn tokenize_into(active: &ActivePolicy, tok: &crate::tokenize::Tokenizer, req: &RouteRequest, bufs: &mut KeyBufs) {
+    // Only the ids before the request's key limit (a part the router cannot key) are keyed.
+    match tok.keyable_token_ids(req) {
+        Ok(seqs) => {
+            let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+            bufs.has_precise = active.precise_keys.keys_for_tokens(
+                req.lora_adapter.as_deref(),
+                req.cache_salt.as_deref(),
+                &refs,
+                &mut bufs.precise,
+                &mut bufs.scratch,
+            );
+            let keyed: u64 = seqs.iter().map(|s| s.len() as u64).sum();
+            let bpt = active.policy.config().index.bytes_per_token;
+            let bt = u64::from(active.precise_keys.block_tokens().max(1));
+            // Past the media (or key limit): the estimate, the ids after the last full block
+            // of the cut sequence and the boundary token dropped there.
+            let cut = match (req.chat.as_ref().and_then(|c| c.media), req.key_limit) {
+                (Some(_), _) => Some(0),
+                (None, Some(l)) => Some(l.prompt),
+                (None, None) => None,
+            };
+            let unkeyed = cut.map_or(0, |c| {
+                let extra = seqs.get(c).map_or(0, |s| s.len() as u64 % bt + 1);
+                req.unkeyed_tokens_past_media(bpt) + extra
+            });
+            bufs.precise.unkeyed_blocks = RequestKeys::blocks_for(unkeyed, active.precise_keys.block_tokens());
+            bufs.exact_input_tokens = Some(keyed + unkeyed);
+        }
+        Err(_) => bufs.tokenize_failed = true,
+    }
+}
+
+/// What the features phase found.
+struct Features {
+    input_tokens: u64,
+    session_key: Option<u64>,
+    /// The decision reads and writes the approximate / precise index (its keys were made under
+    /// the index's current parameters).
+    approx_valid: bool,
+    precise_valid: bool,
+    roster: Arc<[Arc<str>]>,
+    /// `scores[i]` belongs to `roster[i]`; `self.slots_buf[i]` is its slot.
+    scores: Vec<EndpointScore>,
+    /// Mean saturation of the healthy decode-capable endpoints.
+    saturation: f64,
+}
+
+/// The decode endpoint picked.
+struct Pick {
+    /// Index into the roster.
+    d: usize,
+    relaxed: bool,
+    judgment: Judgment,
+}
+
+/// The mode phase's result.
+struct ModeChoice {
+    mode: Mode,
+    rule: Rule,
+    transfer: Option<TransferEstimate>,
+    /// Roster index of the prefill endpoint (disaggregated only).
+    prefill: Option<usize>,
+    relaxed: bool,
+}
+
+/// What book-keeping recorded (for the replication effect).
+struct Booked {
+    precise_skip: [u32; 2],
+    expires_ms: u64,
+}
+
+fn rule_index(rule: Rule) -> usize {
+    Rule::ALL.iter().position(|&r| r == rule).unwrap_or(0)
+}
+
+impl RouterCore {
+    /// Route a parsed request at time `now_ms` (milliseconds on the caller's clock, the same clock
+    /// as metric timestamps).
+    pub fn route(&mut self, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
+        let active = self.active.clone();
+        let mut bufs = std::mem::take(&mut self.keys_buf);
+        #[cfg(feature = "tokenizer")]
+        let tok = self.tokenizer.clone();
+        prepare_keys(
+            &active,
+            #[cfg(feature = "tokenizer")]
+            tok.as_deref(),
+            req,
+            &mut bufs,
+            now_ms,
+        );
+        let out = self.decide(&active, req, &bufs, now_ms);
+        self.keys_buf = bufs;
+        out
+    }
+
+    /// Parse an HTTP request (body + headers) and route it.
+    pub fn route_http<K, V>(
+        &mut self,
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        now_ms: u64,
+    ) -> Result<Decision, RouteError>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        match RouteRequest::parse(body, headers, &self.active.policy.config().request) {
+            Ok(req) => self.route(&req, now_ms),
+            Err(e) => {
+                self.counters.route_errors += 1;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Phases 2–7 for keys made under `active` (which may be older than the core's policy when a
+    /// reload happened meanwhile: the indexes whose parameters changed are then neither read nor
+    /// written).
+    pub(crate) fn decide(
+        &mut self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        now_ms: u64,
+    ) -> Result<Decision, RouteError> {
+        if keys.tokenize_failed {
+            self.counters.tokenize_errors += 1;
+        }
+        let f = self.features(active, req, keys, now_ms);
+        let Some(pick) = self.pick(active, req, keys, &f) else {
+            self.counters.route_errors += 1;
+            return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
+        };
+        let request_id = self.ids.assign(&self.inflight, req);
+        if let Some(shed) = admission::admit(active.policy.config(), f.saturation, req.priority) {
+            return Ok(self.shed(active, request_id, f, pick, shed));
+        }
+        let m = self.mode(active, keys, &f, &pick);
+        let booked = self.book(active, keys, &f, pick.d, &m, &request_id, now_ms);
+        Ok(self.routed(active, keys, request_id, f, pick, m, booked, now_ms))
+    }
+
+    /// Phase 2: expiry, index matches, session, and every endpoint's score breakdown.
+    fn features(&mut self, active: &ActivePolicy, req: &RouteRequest, bufs: &KeyBufs, now_ms: u64) -> Features {
+        let cfg = active.policy.config();
+        let keys = &bufs.approx;
+        let input_tokens = bufs.exact_input_tokens.unwrap_or_else(|| req.input_tokens(cfg.index.bytes_per_token));
+        self.last_now_ms = now_ms;
+        self.expire_inflight(now_ms, cfg.limits.inflight_timeout_ms);
+        self.kv.expire(now_ms);
+        // A decision that began under a policy whose hashing differs from an index's neither
+        // reads nor writes that index (see `reload`).
+        let approx_valid = active.reads_approx() && self.index.fingerprint() == active.fingerprint;
+        let precise_valid = bufs.has_precise && self.kv.fingerprint() == active.precise_fingerprint;
+        let weights = MatchWeights::new(&cfg.index.tier_weights);
+        if approx_valid {
+            self.index.match_blocks(keys, &weights, &mut self.matched, &mut self.scratch);
+        } else {
+            self.matched.clear();
+        }
+        if precise_valid {
+            self.kv.match_blocks(&bufs.precise, &weights, &mut self.pmatched, &mut self.scratch);
+        } else {
+            self.pmatched.clear();
+        }
+        let session_key = session_key(req);
+        let session_ref = session_key.and_then(|k| self.sessions.peek(&k).copied()).filter(|r| self.live_ref(*r));
+
+        let per_block = |n: usize| if n == 0 { 0.0 } else { 1.0 / n as f64 };
+        let (approx_per_block, precise_per_block) =
+            (per_block(keys.hit_blocks()), per_block(bufs.precise.hit_blocks()));
+        let roster = self.endpoints.roster().clone();
+        let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
+        let mut slots = std::mem::take(&mut self.slots_buf);
+        slots.clear();
+        let (mut saturation_sum, mut pool_size) = (0.0, 0u32);
+        for &slot in self.endpoints.order() {
+            slots.push(slot);
+            let Some(ep) = self.endpoints.get(slot) else {
+                // Unreachable (order only lists occupied slots); keep scores aligned with the
+                // roster and never pick it.
+                scores.push(EndpointScore::unavailable());
+                continue;
+            };
+            let i = slot as usize;
+            // Precise mode always reads the precise index; hybrid reads it for endpoints whose
+            // event stream is healthy when the request has token ids; otherwise approximate.
+            let precise = match cfg.index.mode {
+                IndexMode::Approx => false,
+                IndexMode::Precise => true,
+                IndexMode::Hybrid => precise_valid && self.kv.healthy(i, now_ms),
+            };
+            let (m, hit_per_block, block_tokens) = if precise {
+                (&self.pmatched, precise_per_block, active.precise_keys.block_tokens())
+            } else {
+                (&self.matched, approx_per_block, cfg.index.block_tokens)
+            };
+            let matched_blocks = m.blocks.get(i).copied().unwrap_or(0);
+            let inputs = FeatureInputs {
+                matched_blocks,
+                weighted_blocks: m.weighted.get(i).copied().unwrap_or(0.0),
+                hit_per_block,
+                cached_tokens: (u64::from(matched_blocks) * u64::from(block_tokens)).min(input_tokens),
+                precise,
+                lora_adapter: req.lora_adapter.as_deref(),
+                session_here: session_ref.is_some_and(|r| r.slot == slot),
+                now_ms,
+            };
+            scores.push(score::score_endpoint(cfg, ep, &inputs));
+            if ep.role.decodes() && ep.healthy {
+                saturation_sum += admission::endpoint_saturation(cfg, ep, now_ms);
+                pool_size += 1;
+            }
+        }
+        self.slots_buf = slots;
+        let saturation = if pool_size == 0 { 0.0 } else { saturation_sum / f64::from(pool_size) };
+        Features { input_tokens, session_key, approx_valid, precise_valid, roster, scores, saturation }
+    }
+
+    /// The picker's choice among `cands` (roster indexes); `salt` separates the decode and
+    /// prefill picks' tie-breaks.
+    fn pick_among(&self, active: &ActivePolicy, f: &Features, cands: &[usize], anchor: u64) -> Option<usize> {
+        let slots = &self.slots_buf;
+        let endpoints = &self.endpoints;
+        let last_assigned = |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.last_assigned_ms);
+        let picker = &active.policy.config().scoring.picker;
+        score::pick(picker, &f.roster, &f.scores, cands, anchor, self.draws, last_assigned)
+    }
+
+    /// Phase 3: filters (relaxed when they would leave no candidate) and the decode pick, with
+    /// the judgment of the request on the picked endpoint.
+    fn pick(&mut self, active: &ActivePolicy, req: &RouteRequest, keys: &KeyBufs, f: &Features) -> Option<Pick> {
+        let mut cands = std::mem::take(&mut self.cands_buf);
+        let relaxed = score::candidates(&f.scores, Role::decodes, &mut cands);
+        self.draws = self.draws.wrapping_add(1);
+        let d = self.pick_among(active, f, &cands, keys.approx.anchor);
+        self.cands_buf = cands;
+        let d = d?;
+        let modes = &active.policy.config().modes;
+        let judgment =
+            decision::judge(modes, &req.hint, f.input_tokens, req.effective_max_tokens(), f.scores[d].prefix_hit);
+        Some(Pick { d, relaxed, judgment })
+    }
+
+    /// Phase 5: the prefill pick and the mode rules.
+    fn mode(&mut self, active: &ActivePolicy, keys: &KeyBufs, f: &Features, pick: &Pick) -> ModeChoice {
+        let mut cands = std::mem::take(&mut self.cands_buf);
+        let relaxed_p = score::candidates(&f.scores, |r| r == Role::Prefill, &mut cands);
+        let prefill = self.pick_among(active, f, &cands, keys.approx.anchor ^ 0x5046);
+        self.cands_buf = cands;
+        let relaxed = pick.relaxed | (relaxed_p && prefill.is_some());
+        let d = &f.scores[pick.d];
+        let d_ep = self.slots_buf.get(pick.d).and_then(|&s| self.endpoints.get(s));
+        let inputs = ModeInputs {
+            input_tokens: f.input_tokens,
+            judgment: pick.judgment,
+            decode_hit: d.prefix_hit,
+            decode_kv_usage: d.kv_usage,
+            decode_cached_tokens: d.cached_tokens,
+            decode_running: d_ep.map_or(0, |e| e.metrics.as_ref().map_or(0, |m| m.running).max(e.inflight)),
+            prefill_cached_tokens: prefill.map(|p| f.scores[p].cached_tokens),
+        };
+        let (mode, rule, transfer) = decision::decide_mode(active.policy.config(), &inputs);
+        let prefill = if mode == Mode::Disaggregated { prefill } else { None };
+        ModeChoice { mode, rule, transfer, prefill, relaxed }
+    }
+
+    /// Phase 6: what routing the request there changes.
+    #[allow(clippy::too_many_arguments)]
+    fn book(
+        &mut self,
+        active: &ActivePolicy,
+        keys: &KeyBufs,
+        f: &Features,
+        d: usize,
+        m: &ModeChoice,
+        request_id: &str,
+        now_ms: u64,
+    ) -> Booked {
+        let cfg = active.policy.config();
+        let d_slot = self.slots_buf[d];
+        let p_slot = m.prefill.map(|p| self.slots_buf[p]);
+        let target = self.track(d_slot, now_ms);
+        let prefill_ref: Option<SlotRef> = p_slot.map(|p| self.track(p, now_ms));
+        if f.approx_valid {
+            for seq in keys.approx.sequences() {
+                self.index.observe(seq, d_slot as usize);
+                if let Some(p) = p_slot {
+                    self.index.observe(seq, p as usize);
+                }
+            }
+        }
+        let expires_ms = now_ms.saturating_add(cfg.index.speculative_ttl_ms);
+        let mut precise_skip = [0u32; 2];
+        if f.precise_valid {
+            let single = keys.precise.seq_starts.len() == 1;
+            for (i, r) in std::iter::once(target).chain(prefill_ref).enumerate() {
+                // Blocks the endpoint already holds in a tier need no speculation: only the
+                // rest of a single-sequence prompt is speculated.
+                let held = if single { self.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
+                precise_skip[i] = held;
+                self.kv.speculate_from(&keys.precise.keys, held as usize, r.slot as usize, expires_ms, now_ms);
+            }
+        }
+        self.inflight.insert(request_id, target, prefill_ref, now_ms);
+        self.bound_inflight(cfg.limits.max_inflight_requests);
+        if let Some(k) = f.session_key {
+            self.sessions.push(k, target);
+        }
+        self.counters.decisions_by_rule[rule_index(m.rule)] += 1;
+        let hit = f.scores[d].prefix_hit;
+        self.counters.routed += 1;
+        self.counters.prefix_hit_sum += hit;
+        for (i, b) in self.counters.prefix_hit_buckets.iter_mut().enumerate() {
+            if hit <= (i + 1) as f64 / 10.0 + 1e-12 {
+                *b += 1;
+            }
+        }
+        Booked { precise_skip, expires_ms }
+    }
+
+    /// Phase 7 (shed): the answer for a request admission refused.
+    fn shed(&mut self, active: &ActivePolicy, request_id: String, f: Features, pick: Pick, shed: Shed) -> Decision {
+        self.counters.decisions_by_rule[rule_index(Rule::Shed)] += 1;
+        let d = &f.scores[pick.d];
+        Decision {
+            request_id,
+            policy_version: active.version,
+            rule: Rule::Shed,
+            headers: vec![(decision::HEADER_SHED_REASON, shed.reason.clone())],
+            outcome: Outcome::Shed(shed),
+            judgment: pick.judgment,
+            input_tokens: f.input_tokens,
+            prefix_hit: d.prefix_hit,
+            cached_tokens: d.cached_tokens,
+            saturation: f.saturation,
+            relaxed_filters: pick.relaxed,
+            transfer: None,
+            endpoints: f.roster,
+            scores: f.scores,
+            effect: None,
+        }
+    }
+
+    /// Phase 7 (routed): the outcome, the headers and the replication effect.
+    #[allow(clippy::too_many_arguments)]
+    fn routed(
+        &self,
+        active: &ActivePolicy,
+        keys: &KeyBufs,
+        request_id: String,
+        f: Features,
+        pick: Pick,
+        m: ModeChoice,
+        booked: Booked,
+        now_ms: u64,
+    ) -> Decision {
+        let endpoint = f.roster[pick.d].clone();
+        let prefill_endpoint = m.prefill.map(|p| f.roster[p].clone());
+        let effect = self.record_effects.then(|| {
+            let (approx_keys, approx_seq_starts) = if f.approx_valid {
+                (keys.approx.keys.clone(), keys.approx.seq_starts.clone())
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            let (precise_keys, precise_seq_starts) = if f.precise_valid {
+                (keys.precise.keys.clone(), keys.precise.seq_starts.clone())
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            Arc::new(RoutingEffect {
+                request_id: request_id.clone(),
+                target: endpoint.clone(),
+                prefill: prefill_endpoint.clone(),
+                now_ms,
+                session_key: f.session_key,
+                approx_fingerprint: active.fingerprint,
+                approx_keys,
+                approx_seq_starts,
+                precise_fingerprint: active.precise_fingerprint,
+                precise_keys,
+                precise_seq_starts,
+                precise_skip: booked.precise_skip,
+                speculative_expires_ms: booked.expires_ms,
+            })
+        });
+        let d = &f.scores[pick.d];
+        let mut headers = Vec::with_capacity(4);
+        headers.push((decision::HEADER_DESTINATION, endpoint.to_string()));
+        if let Some(p) = &prefill_endpoint {
+            headers.push((decision::HEADER_PREFILLER, p.to_string()));
+        }
+        headers.push((decision::HEADER_MODE, m.mode.as_str().to_owned()));
+        if active.policy.config().request.debug_header {
+            headers.push((decision::HEADER_SCORE, format!("{};{:.4};{:.4}", m.rule.as_str(), d.total, d.prefix_hit)));
+        }
+        Decision {
+            request_id,
+            policy_version: active.version,
+            rule: m.rule,
+            outcome: Outcome::Routed { endpoint, prefill_endpoint, mode: m.mode },
+            prefix_hit: d.prefix_hit,
+            cached_tokens: d.cached_tokens,
+            headers,
+            judgment: pick.judgment,
+            input_tokens: f.input_tokens,
+            saturation: f.saturation,
+            relaxed_filters: m.relaxed,
+            transfer: m.transfer,
+            endpoints: f.roster,
+            scores: f.scores,
+            effect,
+        }
+    }
+}

@@ -1,0 +1,441 @@
+//! [`RouterCore`]: the state tables (endpoints, both indexes, in-flight requests, sessions,
+//! counters) and every operation on them except the decision itself (`route.rs`), replication
+//! (`replication.rs`) and the metrics page (`exposition.rs`).
+
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+
+use lru::LruCache;
+use serde::Serialize;
+use xxhash_rust::xxh3::Xxh3DefaultBuilder;
+
+use super::inflight::{Inflight, InflightTable, RequestIds, SlotRef};
+use super::policy::ActivePolicy;
+use super::route::KeyBufs;
+use crate::config::Policy;
+use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointState, EndpointTable, MetricsSnapshot, Role};
+use crate::error::{ConfigError, EventIngestError, StateError};
+use crate::index::{ApproxIndex, IndexStats, MatchScratch, PrefixMatch};
+use crate::precise::events::EventBatch;
+use crate::precise::{ApplyOutcome, KvIndex, PreciseStats};
+
+/// Counters kept by the router (for metrics exposition by the bindings).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RouterCounters {
+    /// Decisions per rule, indexed like [`Rule::ALL`](crate::Rule::ALL).
+    pub decisions_by_rule: [u64; 7],
+    /// Route calls that returned an error.
+    pub route_errors: u64,
+    /// Successful reloads.
+    pub reloads: u64,
+    /// Rejected reloads.
+    pub reload_failures: u64,
+    /// Index resets caused by a change of hashing parameters.
+    pub index_resets: u64,
+    /// Requests dropped from in-flight tracking without `complete` (timeout or overflow).
+    pub inflight_expired: u64,
+    /// Requests the tokenizer failed on (routed without precise keys).
+    pub tokenize_errors: u64,
+    /// Routed decisions by the target's prefix hit: counts with hit ≤ 0.1, ≤ 0.2, … ≤ 1.0
+    /// (cumulative, as Prometheus histogram buckets).
+    pub prefix_hit_buckets: [u64; 10],
+    /// Sum of the routed decisions' prefix hits.
+    pub prefix_hit_sum: f64,
+    /// Routed (not shed) decisions.
+    pub routed: u64,
+    /// Routing effects of other router instances applied (`Router::apply_effect`).
+    pub effects_applied: u64,
+}
+
+/// A snapshot of the router's state.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RouterStats {
+    /// Active policy version.
+    pub policy_version: u64,
+    /// Registered endpoints.
+    pub endpoints: usize,
+    /// Requests in flight.
+    pub inflight_requests: usize,
+    /// Approximate index figures.
+    pub index: IndexStats,
+    /// Precise index figures and event counters.
+    pub precise: PreciseStats,
+    /// Counters.
+    pub counters: RouterCounters,
+}
+
+/// One endpoint as the router sees it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EndpointInfo {
+    /// Id.
+    pub id: Arc<str>,
+    /// Role.
+    pub role: Role,
+    /// Health flag.
+    pub healthy: bool,
+    /// Last metrics snapshot.
+    pub metrics: Option<MetricsSnapshot>,
+    /// Router-side in-flight requests.
+    pub inflight: u32,
+    /// Approximate-index memberships.
+    pub index_memberships: u32,
+    /// Precise-index memberships.
+    pub precise_memberships: u32,
+    /// Whether its KV event stream is healthy (has delivered events, not recovering from a gap),
+    /// judged at the time of the last routing decision or event.
+    pub events_healthy: bool,
+}
+
+/// The router's state machine: endpoints, the approximate and precise indexes, in-flight
+/// requests, sessions and counters, with the one decision path ([`RouterCore::route`]).
+///
+/// Single-threaded and synchronous: every method takes `&mut self` (or `&self`), time is a
+/// parameter, and it owns its scratch buffers. Hold one directly where calls are already
+/// serialized (the Envoy filter: one per VM), or share a [`Router`](crate::Router), which wraps
+/// one behind a mutex with the policy in a lock-free cell and hashes requests outside the lock.
+pub struct RouterCore {
+    pub(super) active: Arc<ActivePolicy>,
+    pub(super) endpoints: EndpointTable,
+    pub(super) index: ApproxIndex,
+    pub(super) kv: KvIndex,
+    /// The latest `now` seen (routing or events), for reporting stream health.
+    pub(super) last_now_ms: u64,
+    pub(super) sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
+    pub(super) inflight: InflightTable,
+    pub(super) ids: RequestIds,
+    pub(super) draws: u64,
+    pub(super) record_effects: bool,
+    pub(super) counters: RouterCounters,
+    #[cfg(feature = "tokenizer")]
+    pub(super) tokenizer: Option<Arc<crate::tokenize::Tokenizer>>,
+    // Scratch buffers of the decision (kept between calls: no allocation per decision).
+    pub(super) matched: PrefixMatch,
+    pub(super) pmatched: PrefixMatch,
+    pub(super) scratch: MatchScratch,
+    pub(super) slots_buf: Vec<u16>,
+    pub(super) cands_buf: Vec<usize>,
+    pub(super) keys_buf: KeyBufs,
+}
+
+impl std::fmt::Debug for RouterCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouterCore")
+            .field("policy_version", &self.active.version)
+            .field("endpoints", &self.endpoints.len())
+            .field("inflight", &self.inflight.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for RouterCore {
+    fn default() -> Self {
+        RouterCore::new(Policy::default())
+    }
+}
+
+pub(super) fn nz(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).unwrap_or(NonZeroUsize::MIN)
+}
+
+fn unknown(id: &str) -> StateError {
+    StateError::UnknownEndpoint { id: id.to_owned() }
+}
+
+impl RouterCore {
+    /// A router core running `policy` (version 1) with no endpoints.
+    pub fn new(policy: Policy) -> RouterCore {
+        let active = Arc::new(ActivePolicy::new(policy, 1));
+        let cfg = active.policy.config();
+        RouterCore {
+            endpoints: EndpointTable::default(),
+            index: ApproxIndex::new(active.fingerprint, active.capacity),
+            kv: KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity),
+            last_now_ms: 0,
+            sessions: LruCache::with_hasher(nz(cfg.limits.session_capacity), Xxh3DefaultBuilder),
+            inflight: InflightTable::new(),
+            ids: RequestIds::new(),
+            draws: 0,
+            record_effects: false,
+            counters: RouterCounters::default(),
+            #[cfg(feature = "tokenizer")]
+            tokenizer: None,
+            matched: PrefixMatch::default(),
+            pmatched: PrefixMatch::default(),
+            scratch: MatchScratch::default(),
+            slots_buf: Vec::new(),
+            cands_buf: Vec::new(),
+            keys_buf: KeyBufs::default(),
+            active,
+        }
+    }
+
+    /// A router core from a JSON policy document.
+    pub fn from_json(text: &str) -> Result<RouterCore, ConfigError> {
+        Policy::from_json(text).map(RouterCore::new)
+    }
+
+    /// The active policy.
+    pub fn policy(&self) -> &Arc<ActivePolicy> {
+        &self.active
+    }
+
+    /// Use `tokenizer` to compute precise keys for text and chat requests (see
+    /// [`Router::set_tokenizer`](crate::Router::set_tokenizer)).
+    #[cfg(feature = "tokenizer")]
+    pub fn set_tokenizer(&mut self, tokenizer: Option<Arc<crate::tokenize::Tokenizer>>) {
+        self.tokenizer = tokenizer;
+    }
+
+    /// Swap in a new (already validated) policy and return its version (see
+    /// [`Router::reload`](crate::Router::reload) for what happens to state).
+    pub fn reload(&mut self, policy: Policy) -> u64 {
+        let new = Arc::new(ActivePolicy::new(policy, self.active.version + 1));
+        if new.fingerprint != self.index.fingerprint() {
+            self.index.reset(new.fingerprint);
+            self.counters.index_resets += 1;
+        }
+        if new.capacity != self.active.capacity {
+            self.index.set_capacity(new.capacity);
+        }
+        let cfg = new.policy.config();
+        if new.precise_fingerprint != self.kv.fingerprint() {
+            self.kv.reconfigure(cfg, new.precise_fingerprint);
+            self.counters.index_resets += 1;
+        }
+        self.kv.set_speculative_ttl(cfg.index.speculative_ttl_ms);
+        self.kv.set_capacity(new.precise_capacity, cfg.index.precise.key_map_capacity);
+        self.bound_inflight(cfg.limits.max_inflight_requests);
+        self.sessions.resize(nz(cfg.limits.session_capacity));
+        self.counters.reloads += 1;
+        self.active = new;
+        self.active.version
+    }
+
+    /// Parse (JSON if it starts with `{`, else YAML), validate and reload. On error the active
+    /// policy is untouched and keeps serving.
+    pub fn reload_str(&mut self, text: &str) -> Result<u64, ConfigError> {
+        match Policy::from_str_auto(text) {
+            Ok(p) => Ok(self.reload(p)),
+            Err(e) => {
+                self.counters.reload_failures += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// Register an endpoint, or change the role of a registered one (its index entries, metrics
+    /// and counters are kept).
+    pub fn upsert_endpoint(&mut self, spec: EndpointSpec) -> Result<(), StateError> {
+        validate_endpoint_id(&spec.id)?;
+        if let Some(slot) = self.endpoints.slot_of(&spec.id) {
+            if let Some(ep) = self.endpoints.get_mut(slot) {
+                ep.role = spec.role;
+            }
+            return Ok(());
+        }
+        let limit = self.active.policy.config().limits.max_endpoints;
+        if self.endpoints.len() >= limit {
+            return Err(StateError::TooManyEndpoints { limit });
+        }
+        let RouterCore { endpoints, index, kv, .. } = self;
+        let slot = endpoints.insert(&spec, |s| index.slot_reusable(s) && kv.slot_reusable(s));
+        index.activate(slot as usize);
+        kv.activate(slot as usize);
+        Ok(())
+    }
+
+    /// Remove an endpoint: its index entries are purged (at once for routing; memory is reclaimed
+    /// by the sweeper) and requests still in flight there are forgotten.
+    pub fn remove_endpoint(&mut self, id: &str) -> Result<(), StateError> {
+        let slot = self.endpoints.remove(id).ok_or_else(|| unknown(id))?;
+        self.index.retire(slot as usize);
+        self.kv.retire(slot as usize);
+        Ok(())
+    }
+
+    /// Store a metrics snapshot (see [`Router::update_metrics`](crate::Router::update_metrics)).
+    pub fn update_metrics(&mut self, id: &str, metrics: MetricsSnapshot) -> Result<(), StateError> {
+        metrics.validate(id)?;
+        let slot = self.endpoints.slot_of(id).ok_or_else(|| unknown(id))?;
+        if let Some(ep) = self.endpoints.get_mut(slot) {
+            ep.set_metrics(metrics);
+        }
+        Ok(())
+    }
+
+    /// Read `endpoint`'s `/metrics` page (vLLM or SGLang Prometheus text, taken at `now_ms`) and
+    /// store the snapshot; returns it. A page that cannot be read changes nothing.
+    pub fn update_metrics_from_prometheus(
+        &mut self,
+        endpoint: &str,
+        text: &str,
+        now_ms: u64,
+    ) -> Result<MetricsSnapshot, crate::metrics::MetricsError> {
+        let m = crate::metrics::parse_prometheus(text, now_ms)?;
+        self.update_metrics(endpoint, m.clone())?;
+        Ok(m)
+    }
+
+    /// Mark an endpoint healthy or not (unhealthy endpoints are never picked).
+    pub fn set_healthy(&mut self, id: &str, healthy: bool) -> Result<(), StateError> {
+        let slot = self.endpoints.slot_of(id).ok_or_else(|| unknown(id))?;
+        if let Some(ep) = self.endpoints.get_mut(slot) {
+            ep.healthy = healthy;
+        }
+        Ok(())
+    }
+
+    /// Every endpoint, in id order.
+    pub fn endpoints(&self) -> Vec<EndpointInfo> {
+        self.endpoints
+            .order()
+            .iter()
+            .filter_map(|&s| self.endpoints.get(s).map(|e| (s, e)))
+            .map(|(s, e)| EndpointInfo {
+                id: e.id.clone(),
+                role: e.role,
+                healthy: e.healthy,
+                metrics: e.metrics.clone(),
+                inflight: e.inflight,
+                index_memberships: self.index.memberships_of(s as usize),
+                precise_memberships: self.kv.blocks().memberships_of(s as usize),
+                events_healthy: self.kv.healthy(s as usize, self.last_now_ms),
+            })
+            .collect()
+    }
+
+    /// Where to send a request the router could not route (see
+    /// [`Router::fail_open_endpoint`](crate::Router::fail_open_endpoint)).
+    pub fn fail_open_endpoint(&self) -> Option<Arc<str>> {
+        let load = |e: &&EndpointState| (e.inflight, e.metrics.as_ref().map_or(0, |m| m.waiting));
+        let tiers: [fn(&EndpointState) -> bool; 3] = [|e| e.healthy && e.role.decodes(), |e| e.healthy, |_| true];
+        tiers.iter().find_map(|keep| {
+            let all = self.endpoints.order().iter().filter_map(|&s| self.endpoints.get(s));
+            all.filter(|e| keep(e)).min_by_key(load).map(|e| e.id.clone())
+        })
+    }
+
+    /// A snapshot of sizes and counters.
+    pub fn stats(&self) -> RouterStats {
+        RouterStats {
+            policy_version: self.active.version,
+            endpoints: self.endpoints.len(),
+            inflight_requests: self.inflight.len(),
+            index: self.index.stats(),
+            precise: self.kv.stats(),
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// The request finished (response fully sent or failed): release its in-flight counters.
+    pub fn complete(&mut self, request_id: &str) -> Result<(), StateError> {
+        match self.inflight.remove(request_id) {
+            Some(f) => {
+                self.release(&f);
+                Ok(())
+            }
+            None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
+        }
+    }
+
+    /// Decode one KV-event payload published by `endpoint`'s engine and apply it to the precise
+    /// index (see [`Router::apply_events`](crate::Router::apply_events)).
+    pub fn apply_events(
+        &mut self,
+        endpoint: &str,
+        payload: &[u8],
+        seq: Option<u64>,
+        now_ms: u64,
+    ) -> Result<ApplyOutcome, EventIngestError> {
+        let batch = crate::precise::events::decode_batch(payload)?;
+        Ok(self.apply_batch(endpoint, &batch, seq, now_ms)?)
+    }
+
+    /// Apply an already decoded batch from `endpoint` (see [`RouterCore::apply_events`]).
+    pub fn apply_batch(
+        &mut self,
+        endpoint: &str,
+        batch: &EventBatch,
+        seq: Option<u64>,
+        now_ms: u64,
+    ) -> Result<ApplyOutcome, StateError> {
+        let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
+        self.last_now_ms = self.last_now_ms.max(now_ms);
+        self.kv.expire(now_ms);
+        Ok(self.kv.apply_at(slot as usize, batch, seq, now_ms))
+    }
+
+    /// Count a replay attempt of `endpoint`'s event subscriber (for `metrics_text`).
+    pub fn record_replay(&mut self, endpoint: &str, ok: bool) -> Result<(), StateError> {
+        self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
+        self.kv.record_replay(ok);
+        Ok(())
+    }
+
+    /// Give up on `endpoint`'s gapped event stream (see
+    /// [`Router::resync_stream`](crate::Router::resync_stream)).
+    pub fn resync_stream(&mut self, endpoint: &str, now_ms: u64) -> Result<(), StateError> {
+        let recovery = self.active.policy.config().index.precise.stale_recovery_ms;
+        let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
+        self.kv.resync(slot as usize, now_ms, recovery);
+        Ok(())
+    }
+
+    /// Attach a [`RoutingEffect`](crate::RoutingEffect) to every (non-shed) decision from now on
+    /// (see [`Router::record_effects`](crate::Router::record_effects)).
+    pub fn record_effects(&mut self, on: bool) {
+        self.record_effects = on;
+    }
+
+    pub(super) fn slot(&self, id: &str) -> Result<u16, StateError> {
+        self.endpoints.slot_of(id).ok_or_else(|| unknown(id))
+    }
+
+    pub(super) fn release(&mut self, f: &Inflight) {
+        for r in std::iter::once(f.target).chain(f.prefill) {
+            if let Some(ep) = self.endpoints.get_mut(r.slot) {
+                if ep.incarnation == r.incarnation {
+                    ep.inflight = ep.inflight.saturating_sub(1);
+                    ep.done();
+                }
+            }
+        }
+    }
+
+    pub(super) fn expire_inflight(&mut self, now_ms: u64, timeout_ms: u64) {
+        while let Some(f) = self.inflight.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
+            self.release(&f);
+            self.counters.inflight_expired += 1;
+        }
+    }
+
+    /// Keep at most `max` requests in flight, dropping the oldest.
+    pub(super) fn bound_inflight(&mut self, max: usize) {
+        while self.inflight.len() > max {
+            match self.inflight.pop_oldest_if(|_| true) {
+                Some(f) => {
+                    self.release(&f);
+                    self.counters.inflight_expired += 1;
+                }
+                None => break,
+            }
+        }
+    }
+
+    pub(super) fn live_ref(&self, r: SlotRef) -> bool {
+        self.endpoints.get(r.slot).is_some_and(|e| e.incarnation == r.incarnation)
+    }
+
+    /// Count a request in flight at `slot`, sent there at `now_ms`.
+    pub(super) fn track(&mut self, slot: u16, now_ms: u64) -> SlotRef {
+        match self.endpoints.get_mut(slot) {
+            Some(ep) => {
+                ep.inflight = ep.inflight.saturating_add(1);
+                ep.sent();
+                ep.last_assigned_ms = Some(ep.last_assigned_ms.map_or(now_ms, |t| t.max(now_ms)));
+                SlotRef { slot, incarnation: ep.incarnation }
+            }
+            None => SlotRef { slot, incarnation: 0 },
+        }
+    }
+}
