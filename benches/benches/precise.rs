@@ -225,7 +225,7 @@ fn route_benches(
             r.apply_batch(id, &batches[i].1, Some(seq), NOW).unwrap();
         });
         let d = r.route(&req, NOW).unwrap();
-        assert_eq!(d.endpoint.as_deref(), Some(ids[convs[3].endpoint].as_str()), "{label}: the cached endpoint wins");
+        assert_eq!(d.endpoint(), Some(ids[convs[3].endpoint].as_str()), "{label}: the cached endpoint wins");
         assert_eq!(d.cached_tokens, cached as u64, "{label}: 3/4 of the prompt is cached there");
         r.complete(&d.request_id).unwrap();
         let now = Cell::new(NOW);

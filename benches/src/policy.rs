@@ -177,7 +177,7 @@ impl Balancer for KvrouteBalancer {
             self.rules[i] += 1;
         }
         self.relaxed += u64::from(d.relaxed_filters);
-        let endpoint = d.endpoint.as_ref().and_then(|e| self.index_of.get(e).copied());
+        let endpoint = d.endpoint().and_then(|e| self.index_of.get(e).copied());
         Ok(Pick { endpoint, ticket: endpoint.map(|_| d.request_id) })
     }
 

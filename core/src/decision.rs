@@ -9,7 +9,7 @@ use crate::config::{ModesConfig, PolicyConfig, TransferConfig};
 use crate::request::{Horizon, JudgmentHint};
 use crate::score::EndpointScore;
 
-/// Header naming the target endpoint (Envoy ORIGINAL_DST / llm-d convention).
+/// Header naming the target endpoint (llm-d convention; the Envoy config routes on it with `override_host`).
 pub const HEADER_DESTINATION: &str = "x-gateway-destination-endpoint";
 /// Header naming the prefill endpoint of a disaggregated request (llm-d convention).
 pub const HEADER_PREFILLER: &str = "x-prefiller-host-port";

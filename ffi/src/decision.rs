@@ -159,7 +159,7 @@ pub unsafe extern "C" fn kvroute_decision_free(decision: *mut kvroute_decision) 
 #[no_mangle]
 pub unsafe extern "C" fn kvroute_decision_mode(decision: *const kvroute_decision) -> kvroute_mode {
     // SAFETY: forwarded contract.
-    unsafe { value("kvroute_decision_mode", decision, KVROUTE_MODE_NONE, |d| mode_out(d.mode)) }
+    unsafe { value("kvroute_decision_mode", decision, KVROUTE_MODE_NONE, |d| mode_out(d.mode())) }
 }
 
 /// The rule that fired (`KVROUTE_RULE_*`); `KVROUTE_RULE_NONE` when `decision` is NULL. Thread
@@ -236,7 +236,7 @@ pub unsafe extern "C" fn kvroute_decision_endpoint(
     // SAFETY: forwarded contract.
     unsafe {
         copy_from("kvroute_decision_endpoint", decision, buf, buf_len, needed, |d| {
-            d.endpoint.as_deref().ok_or_else(|| Error::absent("the endpoint (the request was shed)"))
+            d.endpoint().ok_or_else(|| Error::absent("the endpoint (the request was shed)"))
         })
     }
 }
@@ -260,7 +260,7 @@ pub unsafe extern "C" fn kvroute_decision_prefill_endpoint(
     // SAFETY: forwarded contract.
     unsafe {
         copy_from("kvroute_decision_prefill_endpoint", decision, buf, buf_len, needed, |d| {
-            d.prefill_endpoint.as_deref().ok_or_else(|| Error::absent("the prefill endpoint"))
+            d.prefill_endpoint().ok_or_else(|| Error::absent("the prefill endpoint"))
         })
     }
 }
@@ -276,7 +276,7 @@ pub unsafe extern "C" fn kvroute_decision_prefill_endpoint(
 #[no_mangle]
 pub unsafe extern "C" fn kvroute_decision_is_shed(decision: *const kvroute_decision) -> bool {
     // SAFETY: forwarded contract.
-    unsafe { value("kvroute_decision_is_shed", decision, false, |d| d.shed.is_some()) }
+    unsafe { value("kvroute_decision_is_shed", decision, false, |d| d.shed().is_some()) }
 }
 
 /// The HTTP status to answer a shed request with (429); 0 when not shed or `decision` is NULL.
@@ -290,7 +290,7 @@ pub unsafe extern "C" fn kvroute_decision_is_shed(decision: *const kvroute_decis
 #[no_mangle]
 pub unsafe extern "C" fn kvroute_decision_shed_status(decision: *const kvroute_decision) -> u16 {
     // SAFETY: forwarded contract.
-    unsafe { value("kvroute_decision_shed_status", decision, 0, |d| d.shed.as_ref().map_or(0, |s| s.status)) }
+    unsafe { value("kvroute_decision_shed_status", decision, 0, |d| d.shed().map_or(0, |s| s.status)) }
 }
 
 /// Copy why the request was shed (also in the `x-kvroute-shed-reason` header).
@@ -313,7 +313,7 @@ pub unsafe extern "C" fn kvroute_decision_shed_reason(
     // SAFETY: forwarded contract.
     unsafe {
         copy_from("kvroute_decision_shed_reason", decision, buf, buf_len, needed, |d| {
-            d.shed.as_ref().map(|s| s.reason.as_str()).ok_or_else(|| Error::absent("the shed reason (not shed)"))
+            d.shed().map(|s| s.reason.as_str()).ok_or_else(|| Error::absent("the shed reason (not shed)"))
         })
     }
 }

@@ -78,7 +78,7 @@ fn replay(case: &Value, out: &mut String) -> usize {
                 match router.route_http(body.as_bytes(), headers.iter().map(|(k, v)| (k, v)), now) {
                     Ok(d) => {
                         writeln!(out, "{name}\t{i}\t{}", d.to_json()).unwrap();
-                        if step.get("complete").and_then(Value::as_bool).unwrap_or(false) && d.shed.is_none() {
+                        if step.get("complete").and_then(Value::as_bool).unwrap_or(false) && d.shed().is_none() {
                             router.complete(&d.request_id).unwrap();
                         }
                     }

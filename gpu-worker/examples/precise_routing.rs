@@ -66,7 +66,7 @@ fn main() -> anyhow::Result<()> {
     turn.extend((0..40u32).map(|i| (i * 31 + 7) % 512));
     let body = json!({"model": "kvroute-tiny", "prompt": turn, "max_tokens": 8});
     let d = router.route_http(body.to_string().as_bytes(), [("x-request-id", "turn-2")], unix_time_ms())?;
-    let target = d.endpoint.clone().context("kvroute shed the request")?;
+    let target = d.endpoint().map(str::to_owned).context("kvroute shed the request")?;
     println!("kvroute: {target} (rule {:?}, prefix hit {:.0}%)", d.rule, d.prefix_hit * 100.0);
     let addr: SocketAddr = target.parse()?;
     let answer = complete(addr, &body)?;

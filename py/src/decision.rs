@@ -187,25 +187,25 @@ impl Decision {
     /// `"decode-direct"`, `"colocated"`, `"disaggregated"`, or `None` when shed.
     #[getter]
     fn mode(&self) -> Option<&'static str> {
-        self.inner.mode.map(kvroute::Mode::as_str)
+        self.inner.mode().map(kvroute::Mode::as_str)
     }
 
     /// Target (decode) endpoint, or `None` when shed.
     #[getter]
     fn endpoint(&self) -> Option<&str> {
-        self.inner.endpoint.as_deref()
+        self.inner.endpoint()
     }
 
     /// Prefill endpoint (disaggregated only).
     #[getter]
     fn prefill_endpoint(&self) -> Option<&str> {
-        self.inner.prefill_endpoint.as_deref()
+        self.inner.prefill_endpoint()
     }
 
     /// Set when the request is shed.
     #[getter]
     fn shed(&self) -> Option<Shed> {
-        self.inner.shed.as_ref().map(|s| Shed { status: s.status, reason: s.reason.clone() })
+        self.inner.shed().map(|s| Shed { status: s.status, reason: s.reason.clone() })
     }
 
     /// Headers to set (name → value).
@@ -315,9 +315,9 @@ impl Decision {
             "Decision(request_id={}, rule={}, mode={}, endpoint={}, prefill_endpoint={}, prefix_hit={:?}, policy_version={})",
             repr_str(&d.request_id),
             repr_str(d.rule.as_str()),
-            repr_opt(d.mode.map(kvroute::Mode::as_str)),
-            repr_opt(d.endpoint.as_deref()),
-            repr_opt(d.prefill_endpoint.as_deref()),
+            repr_opt(d.mode().map(kvroute::Mode::as_str)),
+            repr_opt(d.endpoint()),
+            repr_opt(d.prefill_endpoint()),
             d.prefix_hit,
             d.policy_version
         )

@@ -18,7 +18,7 @@ use crate::host::{
     Action, BufferType, Context, ContextType, HttpContext, LogLevel, MapType, MetricType, RootContext, Status,
 };
 use kvroute::{
-    decision, EndpointSpec, EventIngestError, MetricsSnapshot, RequestError, RouteError, Router, RoutingEffect,
+    decision, EndpointSpec, EventIngestError, MetricsSnapshot, RequestError, RouteError, RouterCore, RoutingEffect,
     StateError,
 };
 
@@ -71,7 +71,7 @@ impl SharedStore for HostStore {
 
 /// The router and everything that lives as long as a valid configuration.
 struct Active {
-    router: Router,
+    router: RouterCore,
     cfg: Rc<PluginConfig>,
     log: SharedLog,
     /// Metric callouts in flight: token → (endpoint, dispatched at).
@@ -141,7 +141,7 @@ impl Shared {
 impl Active {
     /// Apply the entries other VMs appended since the last call.
     fn sync(&mut self, shared: &Shared, now: u64) {
-        let router = &self.router;
+        let router = &mut self.router;
         let mut errors = 0u32;
         let mut divergences = 0u32;
         let r = self.log.poll(&mut HostStore, now, |origin, entry| match apply_entry(router, origin, entry) {
@@ -174,7 +174,7 @@ impl Active {
 
 /// Apply one entry of another instance. `Ok(true)`: an event batch was judged differently here
 /// than by its writer (this VM missed entries), so the stream was resynced and the batch applied.
-fn apply_entry(router: &Router, origin: u64, entry: Entry<'_>) -> Result<bool, String> {
+fn apply_entry(router: &mut RouterCore, origin: u64, entry: Entry<'_>) -> Result<bool, String> {
     match entry {
         Entry::Effect(bytes) => {
             let mut e = RoutingEffect::decode(bytes).map_err(|e| e.to_string())?;
@@ -265,9 +265,9 @@ impl Root {
         let now = now_ms();
         match slot.as_mut() {
             None => {
-                let router = Router::new(cfg.policy.clone());
+                let mut router = RouterCore::new(cfg.policy.clone());
                 router.record_effects(true);
-                sync_endpoints(&router, &cfg)?;
+                sync_endpoints(&mut router, &cfg)?;
                 let mut a = Active {
                     router,
                     log: SharedLog::new(&cfg.filter.sync.namespace, cfg.filter.sync.ring_entries, instance),
@@ -285,7 +285,7 @@ impl Root {
                     let version = a.router.reload(cfg.policy.clone());
                     log(LogLevel::Info, &format!("kvroute: policy version {version} active"));
                 }
-                sync_endpoints(&a.router, &cfg)?;
+                sync_endpoints(&mut a.router, &cfg)?;
                 let (old, new) = (&a.cfg.filter.sync, &cfg.filter.sync);
                 if old.namespace != new.namespace || old.ring_entries != new.ring_entries {
                     a.log = SharedLog::new(&new.namespace, new.ring_entries, instance);
@@ -376,7 +376,7 @@ impl Default for Root {
 
 /// Make the router's endpoint table match the configuration (removals first, so that a full
 /// table can take new endpoints).
-fn sync_endpoints(router: &Router, cfg: &PluginConfig) -> Result<(), String> {
+fn sync_endpoints(router: &mut RouterCore, cfg: &PluginConfig) -> Result<(), String> {
     let wanted: BTreeMap<&str, &crate::config::EndpointConfig> =
         cfg.filter.endpoints.iter().map(|e| (e.address.as_str(), e)).collect();
     let current = router.endpoints();
@@ -597,7 +597,7 @@ impl Http {
                 return self.fail_open(reason, debug.then(|| error_json(&e)));
             }
         };
-        if let Some(shed) = &d.shed {
+        if let Some(shed) = d.shed() {
             drop(slot);
             self.shared.bump(Counter::Shed);
             let json = debug.then(|| d.to_json().to_string());
@@ -633,7 +633,7 @@ impl Http {
         Action::Continue
     }
 
-    /// Route to the core's fail-open endpoint (`Router::fail_open_endpoint`: least loaded), or
+    /// Route to the core's fail-open endpoint (`RouterCore::fail_open_endpoint`: least loaded), or
     /// reject when fail-open is off. Request headers
     /// must still be paused.
     fn fail_open(&mut self, reason: &str, error: Option<serde_json::Value>) -> Action {

@@ -1,9 +1,10 @@
 //! # kvroute-wasm
 //!
 //! The Envoy proxy-wasm HTTP filter of kvroute: KV-cache-aware routing inside the proxy. It is an
-//! adapter: every routing decision is made by the core ([`kvroute::Router`]); the filter
-//! buffers the request body, asks the core, and sets the destination headers Envoy's
-//! ORIGINAL_DST cluster follows (`x-gateway-destination-endpoint`, `x-prefiller-host-port`,
+//! adapter: every routing decision is made by the core: each VM (one per Envoy worker thread,
+//! single-threaded) holds a [`kvroute::RouterCore`] directly, with no lock. The filter buffers
+//! the request body, asks the core, and sets the destination headers the fleet cluster's
+//! `override_host` load-balancing policy follows (`x-gateway-destination-endpoint`, `x-prefiller-host-port`,
 //! `x-kvroute-mode`), or answers 429 when the core sheds.
 //!
 //! Around the core it adds what only a proxy can do:

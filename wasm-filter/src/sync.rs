@@ -1,6 +1,6 @@
 //! The replicated log the worker VMs share: a bounded ring of entries in proxy-wasm shared data.
 //!
-//! Envoy runs one VM per worker thread; each has its own [`kvroute::Router`]. Every state change
+//! Envoy runs one VM per worker thread; each has its own [`kvroute::RouterCore`]. Every state change
 //! one VM makes (a routing decision's effects, a completion, a metrics snapshot, an event batch, a
 //! stream resync) is appended to the log, and every VM applies the entries it has not seen
 //! before each routing decision and on each tick. `wasm-filter/README.md` explains the choice;
