@@ -33,11 +33,11 @@ fn cached_vs_idle(policy: &str, queue: u32) -> (bool, f64) {
     let first = router.route_http(body.as_bytes(), [("x", "y")], 0).unwrap();
     router.complete(&first.request_id).unwrap();
     let cached = first.endpoint().unwrap();
-    let idle = if &*cached == a { b } else { a };
-    router.update_metrics(&cached, metrics(queue, 10)).unwrap();
+    let idle = if cached == a { b } else { a };
+    router.update_metrics(cached, metrics(queue, 10)).unwrap();
     router.update_metrics(idle, metrics(0, 10)).unwrap();
     let next = router.route_http(body.as_bytes(), [("x", "y")], 10).unwrap();
-    let hit = next.score(&cached).unwrap().prefix_hit;
+    let hit = next.score(cached).unwrap().prefix_hit;
     (next.endpoint().unwrap() == cached, hit)
 }
 
@@ -156,7 +156,7 @@ fn fail_open_endpoint_prefers_healthy_decoders_with_the_fewest_requests_in_fligh
     assert_eq!(r.fail_open_endpoint().as_deref(), Some("10.0.0.1:1"), "ties go in id order");
     let d = r.route(&RouteRequest::text("m", "hello"), 0).unwrap();
     let busy = d.endpoint().unwrap();
-    let other = if &*busy == "10.0.0.1:1" { "10.0.0.2:1" } else { "10.0.0.1:1" };
+    let other = if busy == "10.0.0.1:1" { "10.0.0.2:1" } else { "10.0.0.1:1" };
     assert_eq!(r.fail_open_endpoint().as_deref(), Some(other), "fewest in flight");
     let inflight_before = r.stats().inflight_requests;
     r.fail_open_endpoint();

@@ -118,9 +118,9 @@ fn confirmed_blocks_outlive_speculation() {
     let d = r.route_http(body(512).as_bytes(), [("x", "y")], 0).unwrap();
     r.complete(&d.request_id).unwrap();
     let target = d.endpoint().unwrap();
-    r.apply_batch(&target, &batch(1.0, vec![stored(1000, 16, 0, None, Medium::Gpu)]), Some(0), 100).unwrap();
+    r.apply_batch(target, &batch(1.0, vec![stored(1000, 16, 0, None, Medium::Gpu)]), Some(0), 100).unwrap();
     let later = r.route_http(body(512).as_bytes(), [("x", "y")], 10_000).unwrap();
-    assert_eq!(later.score(&target).unwrap().matched_blocks, 16, "confirmed half stays, speculative half went");
+    assert_eq!(later.score(target).unwrap().matched_blocks, 16, "confirmed half stays, speculative half went");
 }
 
 #[test]

@@ -109,13 +109,13 @@ fn precise_speculation_and_prefill_load_replicate() {
     // The peer now sees the speculative entries the origin made: same match on the target.
     let on_a = a.route_http(token_body(1024).as_bytes(), [("x-request-id", "r2")], 20).unwrap();
     let on_b = b.route_http(token_body(1024).as_bytes(), [("x-request-id", "r2")], 20).unwrap();
-    assert_eq!(on_a.score(&target).unwrap().matched_blocks, 64);
-    assert_eq!(on_b.score(&target).unwrap().matched_blocks, 64);
+    assert_eq!(on_a.score(target).unwrap().matched_blocks, 64);
+    assert_eq!(on_b.score(target).unwrap().matched_blocks, 64);
     assert_eq!(on_a.endpoint(), on_b.endpoint());
     // Speculation expires on the peer as on the origin.
     let ttl = b.policy().policy.config().index.speculative_ttl_ms;
     let late = b.route_http(token_body(1024).as_bytes(), [("x-request-id", "r3")], 20 + ttl + 1).unwrap();
-    assert_eq!(late.score(&target).unwrap().matched_blocks, 0);
+    assert_eq!(late.score(target).unwrap().matched_blocks, 0);
 }
 
 #[test]

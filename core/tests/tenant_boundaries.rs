@@ -54,7 +54,7 @@ fn session_affinity_is_keyed_by_tenant_as_well_as_session_id() {
         )
         .unwrap();
     r.complete(&a2.request_id).unwrap();
-    assert!(a2.score(&here).unwrap().session > 0.0);
+    assert!(a2.score(here).unwrap().session > 0.0);
     // Another tenant reusing the session id gets no affinity to tenant a's endpoint, by
     // fairness id or by cache_salt.
     for (salt, fairness) in [(None, "tenant-b"), (Some("salt-b"), "tenant-a")] {
