@@ -198,7 +198,7 @@ impl DualKeyHashing {
 
     /// The keys of a request into `out` (cleared first). Returns `false`, leaving `out` empty,
     /// when a prompt sequence is text (precise keys need token ids). Keys end at the request's
-    /// [`KeyLimit`](crate::request::KeyLimit), as in [`ApproxHashing::request_keys`].
+    /// [`KeyLimit`](crate::request::KeyLimit), as in [`ApproxHashing::request_keys`](crate::ApproxHashing::request_keys).
     pub fn request_keys(&self, req: &RouteRequest, out: &mut RequestKeys) -> bool {
         out.keys.clear();
         out.seq_starts.clear();
