@@ -842,7 +842,7 @@ impl Router {
             bufs.exact_input_tokens = None;
             #[cfg(feature = "tokenizer")]
             if active.reads_precise() && !bufs.has_precise {
-                self.tokenize_into(active, req, &mut bufs);
+                self.tokenize_into(active, req, now_ms, &mut bufs);
             }
             let out = self.decide(active, req, &bufs, now_ms);
             cell.replace(bufs);
@@ -851,10 +851,11 @@ impl Router {
     }
 
     #[cfg(feature = "tokenizer")]
-    fn tokenize_into(&self, active: &ActivePolicy, req: &RouteRequest, bufs: &mut KeyBufs) {
+    fn tokenize_into(&self, active: &ActivePolicy, req: &RouteRequest, now_ms: u64, bufs: &mut KeyBufs) {
         let Some(tok) = self.tokenizer.load_full() else { return };
         // Only the ids before the request's key limit (a part the router cannot key) are keyed.
-        match tok.keyable_token_ids(req) {
+        // The template clock (`strftime_now`) is the route call's `now_ms`.
+        match tok.keyable_token_ids(req, now_ms) {
             Ok(seqs) => {
                 let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
                 bufs.has_precise = active.precise_keys.keys_for_tokens(

@@ -8,6 +8,10 @@
 //! `add_special_tokens=False`; a completions prompt is tokenized with `add_special_tokens=True`.
 //! [`Tokenizer::encode_chat`] and [`Tokenizer::encode_prompt`] do the same.
 //!
+//! `strftime_now` writes the request's time, never the system clock's: the caller passes it
+//! ([`ChatOptions::now_unix_s`], [`Tokenizer::keyable_token_ids`]'s `now_ms`; the router passes
+//! the `now_ms` of the route call), so a rendering is a function of its inputs.
+//!
 //! # Multimodal requests
 //!
 //! Images, audio, video and embeddings become placeholder tokens that the model's processor

@@ -1,20 +1,20 @@
 //! `strftime_now` for chat templates: Python's `datetime.now().strftime(format)` in UTC, on the
-//! time the render was given.
+//! time the render was given (`ChatOptions::now_unix_s`, never the system clock).
 
 use std::fmt::Write as _;
 
-use minijinja::State;
+use minijinja::{ErrorKind, State};
 
 use super::template::NOW_VAR;
 
 pub(super) fn strftime_now(state: &State<'_, '_>, format: String) -> Result<String, minijinja::Error> {
-    let now = match state.lookup(NOW_VAR).and_then(|v| i64::try_from(v).ok()) {
-        Some(t) => t,
-        None => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-            .unwrap_or(0),
-    };
+    // The request's time, passed in by the caller: the core reads no clock (sans-IO).
+    let now = state.lookup(NOW_VAR).and_then(|v| i64::try_from(v).ok()).ok_or_else(|| {
+        minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            "strftime_now needs the request's time (ChatOptions::now_unix_s); kvroute reads no clock",
+        )
+    })?;
     Ok(strftime(&format, now))
 }
 

@@ -118,7 +118,9 @@ pub struct ChatOptions {
     /// Extra template variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`); they
     /// override the special-token variables.
     pub kwargs: Vec<(String, RawJson)>,
-    /// Unix time in seconds for `strftime_now` (UTC). `None` reads the system clock.
+    /// Unix time in seconds for `strftime_now` (UTC): the request's time, given by the caller
+    /// (see [`ChatOptions::with_now_ms`]); the core reads no clock. `None` (the default): a
+    /// template that calls `strftime_now` fails to render ([`TokenizeError::Render`]).
     pub now_unix_s: Option<i64>,
     /// Rewrite assistant `tool_calls` as vLLM does before rendering: `function.arguments` JSON
     /// strings become objects, an empty list is dropped (default `true`; `false` renders the
@@ -146,6 +148,15 @@ impl ChatOptions {
     /// Options with `add_generation_prompt` set and nothing else.
     pub fn new(add_generation_prompt: bool) -> ChatOptions {
         ChatOptions { add_generation_prompt, ..ChatOptions::default() }
+    }
+
+    /// These options rendering at `now_ms`, the request's time in milliseconds since the UNIX
+    /// epoch (the `now_ms` of a route call): [`ChatOptions::now_unix_s`] becomes its whole
+    /// seconds, so `strftime_now` writes that time's date.
+    #[must_use]
+    pub fn with_now_ms(mut self, now_ms: u64) -> ChatOptions {
+        self.now_unix_s = Some(i64::try_from(now_ms / 1000).unwrap_or(i64::MAX));
+        self
     }
 }
 
@@ -320,8 +331,9 @@ impl ChatTemplate {
     }
 }
 
-/// The options a parsed chat request renders with (vLLM's defaults for what it does not say).
-pub(super) fn chat_options(chat: &crate::request::ChatInput) -> ChatOptions {
+/// The options a parsed chat request renders with at `now_ms` (vLLM's defaults for what it does
+/// not say).
+pub(super) fn chat_options(chat: &crate::request::ChatInput, now_ms: u64) -> ChatOptions {
     ChatOptions {
         add_generation_prompt: chat.add_generation_prompt && !chat.continue_final_message,
         tools: chat.tools.clone(),
@@ -329,6 +341,7 @@ pub(super) fn chat_options(chat: &crate::request::ChatInput) -> ChatOptions {
         continue_final_message: chat.continue_final_message,
         ..ChatOptions::default()
     }
+    .with_now_ms(now_ms)
 }
 
 /// What transformers appends to the final message for `continue_final_message`.

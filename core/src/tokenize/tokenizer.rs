@@ -136,13 +136,16 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
-    /// Renders a conversation with the chat template.
+    /// Renders a conversation with the chat template (`strftime_now` at
+    /// [`ChatOptions::now_unix_s`]).
     pub fn render_chat(&self, messages: &[ChatMessage], options: &ChatOptions) -> Result<String, TokenizeError> {
         self.template.as_ref().ok_or(TokenizeError::NoChatTemplate)?.render(messages, options)
     }
 
     /// Token ids of a chat request as the engine computes them: the rendered template, tokenized
-    /// without adding special tokens (the template writes them).
+    /// without adding special tokens (the template writes them). No time is given: a template
+    /// that calls `strftime_now` needs [`Tokenizer::encode_chat_with`] and
+    /// [`ChatOptions::with_now_ms`].
     pub fn encode_chat(
         &self,
         messages: &[ChatMessage],
@@ -151,7 +154,7 @@ impl Tokenizer {
         self.encode_chat_with(messages, &ChatOptions::new(add_generation_prompt))
     }
 
-    /// [`Tokenizer::encode_chat`] with tools, template kwargs and a fixed time.
+    /// [`Tokenizer::encode_chat`] with tools, template kwargs and the request's time.
     pub fn encode_chat_with(&self, messages: &[ChatMessage], options: &ChatOptions) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(messages, options)?;
         self.encode(&text, false)
@@ -170,9 +173,17 @@ impl Tokenizer {
     /// audio, …) are left out: their placeholder tokens are the model processor's business, so
     /// for such a request these are not the engine's ids; key with
     /// [`Tokenizer::keyable_token_ids`].
-    pub fn request_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
+    ///
+    /// `now_ms` is the request's time (the `now_ms` of the route call, milliseconds since the
+    /// UNIX epoch): the date a template's `strftime_now` writes (see
+    /// [`ChatOptions::with_now_ms`]). The system clock is never read.
+    pub fn request_token_ids(
+        &self,
+        req: &crate::request::RouteRequest,
+        now_ms: u64,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
         if let Some(chat) = &req.chat {
-            return Ok(vec![self.encode_chat_with(&chat.messages.to_vec(), &chat_options(chat))?]);
+            return Ok(vec![self.encode_chat_with(&chat.messages.to_vec(), &chat_options(chat, now_ms))?]);
         }
         req.prompts
             .iter()
@@ -196,19 +207,25 @@ impl Tokenizer {
     /// whitespace pre-tokenization), and the tokens before it are fixed. A template that does not
     /// render the content at all yields no ids. Completions sequences are cut the same way at the
     /// limit; sequences after it yield no ids.
-    pub fn keyable_token_ids(&self, req: &crate::request::RouteRequest) -> Result<Vec<Vec<u32>>, TokenizeError> {
+    ///
+    /// `now_ms` is the request's time, as for [`Tokenizer::request_token_ids`].
+    pub fn keyable_token_ids(
+        &self,
+        req: &crate::request::RouteRequest,
+        now_ms: u64,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
         use crate::request::Prompt;
         if let Some((chat, at)) = req.chat.as_ref().and_then(|c| c.media.map(|m| (c, m.message))) {
             let mut messages = chat.messages.to_vec();
             let Some(m) = messages.get_mut(at) else { return Ok(vec![Vec::new()]) };
             m.content = Some(KEY_LIMIT_SENTINEL.to_owned());
-            let text = self.render_chat(&messages, &chat_options(chat))?;
+            let text = self.render_chat(&messages, &chat_options(chat, now_ms))?;
             let Some(cut) = text.find(KEY_LIMIT_SENTINEL) else { return Ok(vec![Vec::new()]) };
             let mut ids = self.encode(&text[..cut], false)?;
             ids.pop();
             return Ok(vec![ids]);
         }
-        let Some(limit) = req.key_limit else { return self.request_token_ids(req) };
+        let Some(limit) = req.key_limit else { return self.request_token_ids(req, now_ms) };
         req.prompts
             .iter()
             .enumerate()
@@ -394,7 +411,7 @@ mod tests {
         let mut req = crate::request::RouteRequest::text("m", text);
         let at = text.find('ö').unwrap() + 1; // inside the two bytes of 'ö'
         req.key_limit = Some(crate::request::KeyLimit { prompt: 0, keyed_len: at, message: None, media_parts: 1 });
-        let keyable = tok.keyable_token_ids(&req).unwrap();
+        let keyable = tok.keyable_token_ids(&req, 0).unwrap();
         let full = tok.encode_prompt(text).unwrap();
         assert_eq!(keyable.len(), 1);
         assert!(!keyable[0].is_empty() && full.starts_with(&keyable[0]));
@@ -402,8 +419,8 @@ mod tests {
         assert_eq!(keyable[0].len() + 1, head.len());
         // A second sequence after the limit yields no ids; one before it all of them.
         req.prompts.push(crate::request::Prompt::Tokens(vec![1, 2, 3]));
-        assert_eq!(tok.keyable_token_ids(&req).unwrap()[1], Vec::<u32>::new());
+        assert_eq!(tok.keyable_token_ids(&req, 0).unwrap()[1], Vec::<u32>::new());
         req.key_limit = Some(crate::request::KeyLimit { prompt: 1, keyed_len: 2, message: None, media_parts: 0 });
-        assert_eq!(tok.keyable_token_ids(&req).unwrap(), vec![full, vec![1, 2]]);
+        assert_eq!(tok.keyable_token_ids(&req, 0).unwrap(), vec![full, vec![1, 2]]);
     }
 }
