@@ -35,6 +35,11 @@ cargo clippy --workspace $NOT_PY --all-targets --locked -- -D warnings
 cargo clippy -p kvroute --features "$FEATURES" --all-targets --locked -- -D warnings
 cargo clippy -p kvroute-benches --features tokenizer --all-targets --locked -- -D warnings
 
+step "sans-IO guard: no clock, thread or socket in the core outside its feature-gated adapters"
+# The clippy runs above deny core/clippy.toml's disallowed methods and types (-D warnings); this
+# proves that rule still bites (grep of core/src, and clippy on a probe using every forbidden item).
+./scripts/check-sans-io.sh
+
 step "rustdoc (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace $NOT_PY --no-deps --locked --quiet
 RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute --features "$FEATURES" --no-deps --locked --quiet

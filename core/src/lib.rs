@@ -11,6 +11,14 @@
 //! The whole decision is pure Rust with no clock, threads or I/O: time is a parameter. The same
 //! code runs natively, in the Envoy wasm filter, under Python and behind the C ABI.
 //!
+//! This is enforced, not only claimed: the crate's `clippy.toml` disallows the system and
+//! monotonic clocks (`SystemTime::now`, `Instant::now`), spawning threads, sleeping and
+//! `std::net` sockets, and the repository's test script denies those lints and checks that they
+//! still bite. Only the feature-gated adapters allow them, each with its reason: the wall clock
+//! (`unix_time_ms`, feature `wall-clock`) and the ZMQ subscriber's thread (`zmq_sub`, feature
+//! `zmq`). Chat templates follow the rule too: their `strftime_now` writes the `now_ms` of the
+//! route call (feature `tokenizer`).
+//!
 //! ```
 //! use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router};
 //!

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
-use kvroute::tokenize::{PrefixCacheConfig, Tokenizer};
+use kvroute::tokenize::{ChatTemplate, PrefixCacheConfig, Tokenizer};
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, RouteRequest, Router};
 
 const A: &str = "10.0.0.1:8000";
@@ -16,6 +16,15 @@ const B: &str = "10.0.0.2:8000";
 fn tokenizer() -> Arc<Tokenizer> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizer");
     Arc::new(Tokenizer::from_dir(dir).unwrap().with_prefix_cache(PrefixCacheConfig::default()))
+}
+
+/// The same tokenizer with a Llama-style template that dates its header with `strftime_now`.
+fn dated_tokenizer() -> Arc<Tokenizer> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizer");
+    let config = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+    let src = std::fs::read_to_string(dir.join("llama3_like.jinja")).unwrap();
+    let template = ChatTemplate::from_tokenizer_config(&config, Some(&src)).unwrap();
+    Arc::new(Tokenizer::from_dir(dir).unwrap().with_chat_template(template))
 }
 
 fn router(mode: &str) -> Router {
@@ -37,10 +46,16 @@ fn chat(turns: usize) -> String {
     serde_json::json!({"model": "m", "messages": messages, "max_tokens": 300}).to_string()
 }
 
-/// What the engine would store for a request: its full 16-token blocks, as one BlockStored.
+/// What the engine would store for a request: its full 16-token blocks, as one BlockStored (the
+/// fixture's own template writes no date, so any time will do).
 fn stored_for(tok: &Tokenizer, body: &str) -> (KvEvent, usize) {
+    stored_at(tok, body, 0)
+}
+
+/// What the engine would store for a request it received at `now_ms`.
+fn stored_at(tok: &Tokenizer, body: &str, now_ms: u64) -> (KvEvent, usize) {
     let req = RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
-    let ids = tok.request_token_ids(&req).unwrap().remove(0);
+    let ids = tok.request_token_ids(&req, now_ms).unwrap().remove(0);
     let blocks = ids.len() / 16;
     let ev = KvEvent::BlockStored(BlockStored {
         block_hashes: (0..blocks as u64).map(|i| 50_000 + i).collect(),
@@ -73,7 +88,7 @@ fn chat_requests_hit_what_the_engine_reports() {
     assert_eq!(b.matched_blocks as usize, blocks);
     // input tokens are the tokenizer's count, not a byte estimate
     let exact = tok
-        .request_token_ids(&RouteRequest::parse(turn1.as_bytes(), [("a", "b")], &Default::default()).unwrap())
+        .request_token_ids(&RouteRequest::parse(turn1.as_bytes(), [("a", "b")], &Default::default()).unwrap(), 10)
         .unwrap()[0]
         .len();
     assert_eq!(d.input_tokens, exact as u64);
@@ -86,6 +101,40 @@ fn chat_requests_hit_what_the_engine_reports() {
     let m = d2.score(B).unwrap().matched_blocks as usize;
     assert!(m > 10 && m <= blocks, "turn 2 matches the shared prefix of turn 1: {m} of {blocks}");
     assert!(d2.prefix_hit < 1.0);
+}
+
+#[test]
+fn the_template_clock_is_the_now_of_the_route_call() {
+    let tok = dated_tokenizer();
+    let r = router("precise");
+    r.set_tokenizer(Some(tok.clone()));
+    let body = chat(1);
+    // 2026-11-29 13:05:09 UTC and a day later.
+    let (day1, day2) = (1_795_957_509_000, 1_796_043_909_000);
+    // B served the request on day 1: it holds the blocks of the day-1 rendering.
+    let (ev, blocks) = stored_at(&tok, &body, day1);
+    assert!(blocks > 20);
+    r.apply_batch(B, &EventBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Some(0), day1).unwrap();
+    let fresh_metrics = |now_ms: u64| {
+        for id in [A, B] {
+            r.update_metrics(id, MetricsSnapshot { kv_usage: 0.2, updated_ms: now_ms, ..Default::default() }).unwrap();
+        }
+    };
+    fresh_metrics(day1);
+    let d = r.route_http(body.as_bytes(), [("x", "y")], day1).unwrap();
+    assert_eq!(d.endpoint(), Some(B));
+    assert_eq!(d.score(B).unwrap().matched_blocks as usize, blocks, "routed on day 1: the day-1 date");
+    r.complete(&d.request_id).unwrap();
+
+    // The same body routed on day 2 renders the day-2 date: only the blocks before it match.
+    let ids = |now_ms| tok.request_token_ids(&parse(&body), now_ms).unwrap().remove(0);
+    let (ids1, ids2) = (ids(day1), ids(day2));
+    let same_blocks = ids1.iter().zip(&ids2).take_while(|(a, b)| a == b).count() / 16;
+    assert!(same_blocks < blocks);
+    fresh_metrics(day2);
+    let d = r.route_http(body.as_bytes(), [("x", "y")], day2).unwrap();
+    assert_eq!(d.score(B).unwrap().matched_blocks as usize, same_blocks, "routed on day 2: the day-2 date");
+    assert_eq!(r.stats().counters.tokenize_errors, 0);
 }
 
 #[test]
@@ -132,7 +181,7 @@ fn chats_that_differ_only_in_the_image_share_only_the_prefix_before_it() {
     // Within the speculative TTL, the chat with another image: the router's own speculation
     // on the first chat's blocks must not make it a full hit.
     let second = image_chat("https://example.invalid/dog.png");
-    let keyable = tok.keyable_token_ids(&parse(&second)).unwrap().remove(0);
+    let keyable = tok.keyable_token_ids(&parse(&second), 10).unwrap().remove(0);
     let keyable_blocks = keyable.len() / 16;
     assert!(keyable_blocks > 20);
     let d = r.route_http(second.as_bytes(), [("x", "y")], 10).unwrap();
@@ -160,8 +209,8 @@ fn an_engine_holding_the_text_prefix_is_hit_up_to_the_image() {
         .unwrap()
         .push(serde_json::json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.invalid/x.png"}}]}));
     let body = body.to_string();
-    let engine = tok.request_token_ids(&parse(&text)).unwrap().remove(0);
-    let keyable = tok.keyable_token_ids(&parse(&body)).unwrap().remove(0);
+    let engine = tok.request_token_ids(&parse(&text), 0).unwrap().remove(0);
+    let keyable = tok.keyable_token_ids(&parse(&body), 10).unwrap().remove(0);
     let common = engine.iter().zip(&keyable).take_while(|(a, b)| a == b).count();
     let want = (common / 16).min(blocks).min(keyable.len() / 16);
     assert!(want > 20);

@@ -4,6 +4,9 @@
 //! ids are identical to full tokenization.
 #![cfg(feature = "tokenizer")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+// Sans-IO is the library's rule (core/clippy.toml): this test file shares one tokenizer across
+// threads to check it is Send + Sync.
+#![allow(clippy::disallowed_methods)]
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -11,6 +14,10 @@ use std::sync::OnceLock;
 use kvroute::tokenize::{ChatMessage, ChatOptions, ChatTemplate, PrefixCacheConfig, RawJson, TokenizeError, Tokenizer};
 use proptest::prelude::*;
 use serde_json::{json, Value};
+
+/// The request time (`now_ms` of a route call) the tests pass; the fixture's own chat template
+/// writes no date.
+const NOW_MS: u64 = 1_795_957_509_000;
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizer")
@@ -464,6 +471,36 @@ fn render(src: &str, msgs: &[ChatMessage], opts: &ChatOptions) -> Result<String,
 }
 
 #[test]
+fn strftime_now_writes_the_request_time_never_the_clock() {
+    // A Llama-style template dates its header with strftime_now("%d %b %Y") when the request
+    // gives no date_string.
+    let tok = Tokenizer::from_dir(fixture_dir()).unwrap().with_chat_template(template("llama3_like.jinja"));
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "What day is it?"}]}).to_string();
+    let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
+    let msgs = req.chat.as_ref().unwrap().messages.to_vec();
+    let with_date = |date: &str| {
+        let mut opts = ChatOptions::new(true);
+        opts.kwargs = vec![("date_string".to_owned(), RawJson::new(&format!("\"{date}\"")).unwrap())];
+        tok.encode_chat_with(&msgs, &opts).unwrap()
+    };
+    // 2026-11-29 13:05:09 UTC, and three days and 999 ms later (whole seconds count).
+    let (t1, t2) = (1_795_957_509_000, 1_796_216_709_999);
+    for (now_ms, date) in [(t1, "29 Nov 2026"), (t2, "02 Dec 2026")] {
+        let text = tok.render_chat(&msgs, &ChatOptions::new(true).with_now_ms(now_ms)).unwrap();
+        assert!(text.contains(&format!("Today Date: {date}\n")), "{text}");
+        // The route path's entry points render at the `now_ms` they are given, every time.
+        let keyable = tok.keyable_token_ids(&req, now_ms).unwrap();
+        assert_eq!(keyable, vec![with_date(date)]);
+        assert_eq!(tok.keyable_token_ids(&req, now_ms).unwrap(), keyable);
+        assert_eq!(tok.request_token_ids(&req, now_ms).unwrap(), keyable);
+    }
+    assert_ne!(tok.keyable_token_ids(&req, t1).unwrap(), tok.keyable_token_ids(&req, t2).unwrap());
+    // Without a time the render fails: the system clock is never read.
+    let err = tok.render_chat(&msgs, &ChatOptions::new(true)).unwrap_err();
+    assert!(matches!(&err, TokenizeError::Render { message } if message.contains("strftime_now")), "{err}");
+}
+
+#[test]
 fn template_helpers_behave_like_transformers() {
     let msgs = [ChatMessage::new("user", "  Hi  ")];
     let mut opts = ChatOptions::new(true);
@@ -659,7 +696,7 @@ fn keyable_ids_end_before_the_media_messages_content() {
     for (n, conv) in CONVERSATIONS.iter().enumerate() {
         let at = conv.len() - 1;
         let req = media_chat(conv, at, true);
-        let keyable = cached().keyable_token_ids(&req).unwrap();
+        let keyable = cached().keyable_token_ids(&req, NOW_MS).unwrap();
         assert_eq!(keyable.len(), 1);
         let keyable = &keyable[0];
         // Whatever vLLM puts at the start of that content, the keyable ids are a prefix of it.
@@ -678,7 +715,7 @@ fn keyable_ids_end_before_the_media_messages_content() {
         assert_eq!(keyable.len() + 1, cached().encode_uncached(before, false).unwrap().len());
         // The text before the image in the same message is not keyed (vLLM puts the image
         // placeholder in front of the message's text by default).
-        let old = cached().request_token_ids(&req).unwrap().remove(0);
+        let old = cached().request_token_ids(&req, NOW_MS).unwrap().remove(0);
         assert!(old.len() > keyable.len() + 3);
     }
 }
@@ -688,7 +725,7 @@ fn without_a_key_limit_keyable_ids_are_the_request_ids() {
     let body = json!({"model": "m", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]}]}).to_string();
     let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
     assert_eq!(req.key_limit, None);
-    assert_eq!(cached().keyable_token_ids(&req).unwrap(), cached().request_token_ids(&req).unwrap());
+    assert_eq!(cached().keyable_token_ids(&req, NOW_MS).unwrap(), cached().request_token_ids(&req, NOW_MS).unwrap());
     let plain = kvroute::RouteRequest::parse(
         json!({"model": "m", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "a\nb"}]})
             .to_string()
@@ -697,7 +734,7 @@ fn without_a_key_limit_keyable_ids_are_the_request_ids() {
         &Default::default(),
     )
     .unwrap();
-    assert_eq!(cached().request_token_ids(&req).unwrap(), cached().request_token_ids(&plain).unwrap());
+    assert_eq!(cached().request_token_ids(&req, NOW_MS).unwrap(), cached().request_token_ids(&plain, NOW_MS).unwrap());
 }
 
 #[test]
@@ -706,7 +743,7 @@ fn a_media_message_in_the_middle_keeps_every_message_for_the_template() {
     // end at the first media message's content however the conversation goes on.
     let conv: &[(&str, &str)] = &[("system", "S"), ("user", "look"), ("assistant", "A cat."), ("user", "And now?")];
     let req = media_chat(conv, 1, true);
-    let keyable = cached().keyable_token_ids(&req).unwrap().remove(0);
+    let keyable = cached().keyable_token_ids(&req, NOW_MS).unwrap().remove(0);
     for content in ["<image>\nlook", "look", "x"] {
         assert!(engine_ids(&req, content).starts_with(&keyable), "{content:?}");
     }
@@ -719,7 +756,7 @@ fn completions_with_prompt_embeds_key_their_text_prompts() {
     let body = json!({"model": "m", "prompt": "Hello there, general.", "prompt_embeds": "AAAA"}).to_string();
     let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
     assert!(req.key_limit.is_some());
-    assert_eq!(cached().keyable_token_ids(&req).unwrap(), cached().request_token_ids(&req).unwrap());
+    assert_eq!(cached().keyable_token_ids(&req, NOW_MS).unwrap(), cached().request_token_ids(&req, NOW_MS).unwrap());
 }
 
 proptest! {
@@ -735,7 +772,7 @@ proptest! {
     ) {
         let conv: &[(&str, &str)] = &[("system", &system), ("user", &user)];
         let req = media_chat(conv, 1, true);
-        let keyable = cached().keyable_token_ids(&req).unwrap().remove(0);
+        let keyable = cached().keyable_token_ids(&req, NOW_MS).unwrap().remove(0);
         let full = engine_ids(&req, &content);
         prop_assert!(full.starts_with(&keyable), "{:?} vs {:?}", keyable, full);
     }
@@ -754,7 +791,7 @@ fn inline_media_still_end_the_tokenizer_keys() {
     let req = kvroute::RouteRequest::parse(body.as_bytes(), [("a", "b")], &Default::default()).unwrap();
     assert_eq!(req.key_limit, None);
     assert_eq!(req.chat.as_ref().unwrap().media.map(|m| m.message), Some(1));
-    let keyable = cached().keyable_token_ids(&req).unwrap().remove(0);
+    let keyable = cached().keyable_token_ids(&req, NOW_MS).unwrap().remove(0);
     let head = cached().encode_uncached("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n", false).unwrap();
     assert_eq!(keyable[..], head[..head.len() - 1]);
 }

@@ -52,7 +52,6 @@ pub(crate) fn prepare_keys(
     bufs: &mut KeyBufs,
     now_ms: u64,
 ) {
-    let _ = now_ms;
     bufs.has_precise =
         active.reads_precise() && active.precise_keys.request_keys(req, &mut bufs.precise, &mut bufs.scratch);
     if active.reads_approx() || !bufs.has_precise {
@@ -66,16 +65,24 @@ pub(crate) fn prepare_keys(
     }
     bufs.exact_input_tokens = None;
     bufs.tokenize_failed = false;
+    #[cfg(not(feature = "tokenizer"))]
+    let _ = now_ms; // only the chat templates read the clock
     #[cfg(feature = "tokenizer")]
     if let Some(tok) = tokenizer.filter(|_| active.reads_precise() && !bufs.has_precise) {
-        tokenize_into(active, tok, req, bufs);
+        tokenize_into(active, tok, req, bufs, now_ms);
     }
 }
 
 #[cfg(feature = "tokenizer")]
-fn tokenize_into(active: &ActivePolicy, tok: &crate::tokenize::Tokenizer, req: &RouteRequest, bufs: &mut KeyBufs) {
+fn tokenize_into(
+    active: &ActivePolicy,
+    tok: &crate::tokenize::Tokenizer,
+    req: &RouteRequest,
+    bufs: &mut KeyBufs,
+    now_ms: u64,
+) {
     // Only the ids before the request's key limit (a part the router cannot key) are keyed.
-    match tok.keyable_token_ids(req) {
+    match tok.keyable_token_ids(req, now_ms) {
         Ok(seqs) => {
             let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
             bufs.has_precise = active.precise_keys.keys_for_tokens(
