@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sans-IO guard of the core (kvroute): the decision path reads no clock, starts no thread and
-# opens no socket (see core/clippy.toml). Two checks, a few seconds together:
+# opens no socket (see core/clippy.toml), and RouterCore holds no lock. A few seconds together:
 #
 # 1. grep: no forbidden call or type in core/src outside the feature-gated adapters allowed to
 #    use them (ALLOWED below), and no `allow(clippy::disallowed_*)` outside them either (so the
@@ -34,6 +34,17 @@ if [ -n "$hits" ]; then
   echo "sans-IO: clock, thread or socket use (or an allow of the disallowed_* lints) in core/src outside ${ALLOWED[*]}:" >&2
   sed 's/^/  /' <<<"$hits" >&2
   echo "  time is a parameter (now_ms); see core/clippy.toml" >&2
+  fail=1
+fi
+
+# --- 1b. RouterCore holds no lock ------------------------------------------------------------
+# RouterCore is a plain single-threaded state machine: no Mutex, ArcSwap, atomics, thread-locals
+# or RefCells in the router's files except router/mod.rs (Router, the thread-safe wrapper).
+sync_hits=$(grep -nE 'Mutex|RwLock|ArcSwap|thread_local|RefCell|Atomic[A-Z]' core/src/router/*.rs \
+  | grep -v '^core/src/router/mod.rs:' | perl -ne '/^([^:]+:\d+:)(.*)$/ or next; (my $c = $2) =~ s{//.*}{}; print if $c =~ /\S/ && $c =~ /Mutex|RwLock|ArcSwap|thread_local|RefCell|Atomic[A-Z]/' || true)
+if [ -n "$sync_hits" ]; then
+  echo "sans-IO: synchronization in RouterCore (core/src/router/, outside mod.rs):" >&2
+  sed 's/^/  /' <<<"$sync_hits" >&2
   fail=1
 fi
 
@@ -105,4 +116,4 @@ fi
 if [ "$fail" -ne 0 ]; then
   exit 1
 fi
-echo "sans-IO: core/src clean outside ${ALLOWED[*]}; core/clippy.toml catches all ${#expected[@]} forbidden items"
+echo "sans-IO: core/src clean outside ${ALLOWED[*]}; RouterCore lock-free; core/clippy.toml catches all ${#expected[@]} forbidden items"
