@@ -9,7 +9,8 @@ use serde::Deserialize;
 
 use crate::error::RequestError;
 
-use super::{Prompt, RawMessages};
+use super::media::RawMessages;
+use super::Prompt;
 
 #[derive(Deserialize)]
 pub(super) struct RawBody {

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use super::ChatMedia;
+use super::media::ChatMedia;
 
 /// A JSON value kept as its source text, so object keys keep the order the client wrote them in
 /// (a chat template's `tojson` prints them in that order, as Python does).
