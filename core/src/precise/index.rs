@@ -56,8 +56,8 @@
 //! flag) or `index.speculative_ttl_ms` passes (they are then withdrawn), driven by `now`.
 //!
 //! # Stream health
-//! Each endpoint's publisher numbers its batches. See [`StreamVerdict`] for how sequence numbers
-//! are judged; an unrecoverable gap clears the endpoint and marks it stale for
+//! Each endpoint's publisher numbers its batches; the index keeps one [`StreamTracker`] per
+//! endpoint to judge them (see [`StreamVerdict`] for the rules). An unrecoverable gap clears the endpoint and marks it stale for
 //! `index.precise.stale_recovery_ms`, during which hybrid routing uses the approximate index for
 //! it. A sequence number that goes back without repeating a recently applied batch is a
 //! restarted publisher: the endpoint is cleared at once, and when the batch is not the new
@@ -76,6 +76,7 @@ use crate::config::{KeyScheme, PolicyConfig};
 use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use crate::precise::events::{BlockStored, EventBatch, KvEvent, Medium};
 use crate::precise::speculation::{SpecQueue, Speculation};
+use crate::precise::stream::{batch_digest, StreamInfo, StreamTracker, StreamVerdict};
 
 /// The expiry tick of a speculation (16 ms resolution, 15 bits: wraps after about 8.7 minutes,
 /// far beyond any speculative TTL).
@@ -192,120 +193,6 @@ fn slot_map(maps: &mut Vec<EngineKeyMap>, slot: usize, capacity: usize) -> &mut 
     &mut maps[slot]
 }
 
-/// How a batch's sequence number is judged against what the stream has seen.
-///
-/// The publisher's timestamp never decides a verdict (a restarted engine's clock may be behind,
-/// one batch may carry a future or non-finite `ts`): a sequence number that goes back is a
-/// [`StreamVerdict::Duplicate`] only when the batch provably repeats one of the last
-/// [`RECENT_BATCHES`] batches applied (same sequence number, same content and timestamp);
-/// anything else is a new publisher incarnation, whose endpoint is cleared at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "verdict")]
-pub enum StreamVerdict {
-    /// In order (or the first batch seen, or unnumbered): applied.
-    Applied,
-    /// A repeat of a batch recently applied under the same sequence number: ignored.
-    Duplicate,
-    /// Batches `expected .. got` are missing: NOT applied. Replay from `expected - 1` (from 0
-    /// when `expected` is 0) and submit the replayed batches, then this one again: the batch
-    /// before `expected` was applied already, so the router judges it a duplicate when the
-    /// publisher is the same process, and a restart (this verdict with `expected` 0) when the
-    /// engine restarted in between, e.g. during a disconnect. If replay is unavailable or no
-    /// longer reaches back that far, call the router's `resync_stream` and submit this batch
-    /// again.
-    ///
-    /// `expected` 0 after a sequence number that went back: the publisher restarted and its
-    /// batches `0 .. got` were missed. The endpoint's entries were already cleared and it counts
-    /// as unhealthy until batch 0 is applied or the stream is resynchronized.
-    Gap {
-        /// First missing sequence number.
-        expected: u64,
-        /// The sequence number received.
-        got: u64,
-    },
-    /// The publisher restarted (sequence back to 0, not a repeat): the endpoint's entries were
-    /// cleared and the batch applied.
-    Reset,
-}
-
-/// How many recently applied batches per stream are remembered (sequence number and a digest of
-/// the content and timestamp) to tell a repeated batch from a restarted publisher's.
-pub const RECENT_BATCHES: usize = 64;
-
-/// Publisher timestamps (seconds) above this are not kept as the stream's latest (see
-/// [`PreciseStats::bad_timestamps`]): about the year 5138 as UNIX time, so a value in
-/// milliseconds or a far-future clock is recognised.
-pub const MAX_PUBLISHER_TS_S: f64 = 1e11;
-
-/// Per-endpoint stream state.
-#[derive(Debug, Clone, Default)]
-struct Stream {
-    last_seq: Option<u64>,
-    last_ts: f64,
-    seen_events: bool,
-    stale_until_ms: u64,
-    /// Router time of the last applied batch.
-    last_applied_ms: Option<u64>,
-    /// The publisher restarted and its first batches were missed: only seq 0 is in order.
-    awaiting_start: bool,
-    /// (seq, digest) of recently applied numbered batches, at `seq % RECENT_BATCHES` (allocated
-    /// on the first one).
-    recent: Vec<(u64, u64)>,
-}
-
-impl Stream {
-    /// Whether `seq` was applied recently with this digest.
-    fn is_repeat(&self, seq: u64, digest: u64) -> bool {
-        self.recent.get(seq as usize % RECENT_BATCHES).is_some_and(|&(s, d)| s == seq && d == digest)
-    }
-
-    fn remember(&mut self, seq: u64, digest: u64) {
-        if self.recent.is_empty() {
-            self.recent = vec![(u64::MAX, 0); RECENT_BATCHES];
-        }
-        self.recent[seq as usize % RECENT_BATCHES] = (seq, digest);
-    }
-
-    /// Forget the sequence (the next batch starts the stream afresh).
-    fn forget(&mut self) {
-        self.last_seq = None;
-        self.awaiting_start = false;
-        self.recent.clear();
-    }
-}
-
-/// A digest of what identifies a published batch: its timestamp's bits and its events (kinds,
-/// media, hashes, parents, token counts). Equal for a batch delivered twice.
-fn batch_digest(batch: &EventBatch) -> u64 {
-    #[inline]
-    fn mix(h: u64, x: u64) -> u64 {
-        (h.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95)
-    }
-    let mut h = mix(0x6b76_726f_7574_6521, batch.ts.to_bits());
-    h = mix(h, batch.events.len() as u64);
-    for ev in &batch.events {
-        match ev {
-            KvEvent::BlockStored(s) => {
-                h = mix(mix(h, 1), s.medium as u64);
-                h = mix(h, s.parent_block_hash.map_or(u64::MAX, |p| p ^ 0x5555));
-                h = mix(h, s.token_ids.len() as u64);
-                h = mix(h, s.token_ids.first().map_or(0, |&t| u64::from(t)));
-                for &b in &s.block_hashes {
-                    h = mix(h, b);
-                }
-            }
-            KvEvent::BlockRemoved(r) => {
-                h = mix(mix(h, 2), r.medium as u64);
-                for &b in &r.block_hashes {
-                    h = mix(h, b);
-                }
-            }
-            KvEvent::AllBlocksCleared => h = mix(h, 3),
-        }
-    }
-    h
-}
-
 /// What applying a batch did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ApplyOutcome {
@@ -351,7 +238,7 @@ pub struct PreciseStats {
     /// Streams resynchronized after an unrecoverable gap.
     pub resyncs: u64,
     /// Batches applied whose publisher timestamp was not kept (not finite, negative or above
-    /// [`MAX_PUBLISHER_TS_S`]).
+    /// [`MAX_PUBLISHER_TS_S`](super::MAX_PUBLISHER_TS_S)).
     pub bad_timestamps: u64,
     /// Speculations (routed requests) not yet expired.
     pub speculative_requests: u64,
@@ -370,20 +257,6 @@ impl PreciseStats {
     }
 }
 
-/// Event-stream state of one endpoint, for metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct StreamInfo {
-    /// Last sequence number applied.
-    pub last_seq: Option<u64>,
-    /// Publisher timestamp (seconds) of the latest applied batch whose timestamp was plausible
-    /// (finite, within `0..=`[`MAX_PUBLISHER_TS_S`]).
-    pub last_publisher_ts: f64,
-    /// Router time (ms) when the last batch was applied.
-    pub last_applied_ms: Option<u64>,
-    /// Whether routing trusts the stream now.
-    pub healthy: bool,
-}
-
 /// The precise index (see the module docs). Slots are the endpoint table's.
 pub struct KvIndex {
     blocks: PrefixIndex<ExactBucket>,
@@ -398,7 +271,8 @@ pub struct KvIndex {
     /// Per slot, bumped when the slot is activated or retired (a speculation made for an earlier
     /// holder withdraws nothing).
     epochs: Vec<u32>,
-    streams: Vec<Stream>,
+    /// Per slot, the judgment of its publisher's stream.
+    streams: Vec<StreamTracker>,
     stats: PreciseStats,
     scratch_keys: Vec<BlockKey>,
     scratch_bytes: Vec<u8>,
@@ -447,7 +321,7 @@ impl KvIndex {
         self.speculation.clear();
         self.speculation.set_ttl(cfg.index.speculative_ttl_ms);
         for s in &mut self.streams {
-            *s = Stream::default();
+            *s = StreamTracker::new();
         }
     }
 
@@ -482,10 +356,7 @@ impl KvIndex {
         if let Some(m) = self.maps.get_mut(slot) {
             m.clear();
         }
-        if self.streams.len() <= slot {
-            self.streams.resize(slot + 1, Stream::default());
-        }
-        self.streams[slot] = Stream::default();
+        *self.stream_mut(slot) = StreamTracker::new();
     }
 
     pub(crate) fn retire(&mut self, slot: usize) {
@@ -495,7 +366,7 @@ impl KvIndex {
             m.clear();
         }
         if let Some(s) = self.streams.get_mut(slot) {
-            *s = Stream::default();
+            *s = StreamTracker::new();
         }
     }
 
@@ -510,18 +381,20 @@ impl KvIndex {
     /// not recovering from an unrecoverable gap, and is not waiting for a restarted publisher's
     /// first batches.
     pub fn healthy(&self, slot: usize, now_ms: u64) -> bool {
-        self.streams.get(slot).is_some_and(|s| s.seen_events && !s.awaiting_start && now_ms >= s.stale_until_ms)
+        self.streams.get(slot).is_some_and(|s| s.healthy(now_ms))
     }
 
     /// The event-stream state of `slot`.
     pub fn stream_info(&self, slot: usize, now_ms: u64) -> StreamInfo {
-        let s = self.streams.get(slot).cloned().unwrap_or_default();
-        StreamInfo {
-            last_seq: s.last_seq,
-            last_publisher_ts: s.last_ts,
-            last_applied_ms: s.last_applied_ms,
-            healthy: self.healthy(slot, now_ms),
+        self.streams.get(slot).map_or_else(|| StreamTracker::new().info(now_ms), |s| s.info(now_ms))
+    }
+
+    /// `slot`'s stream (created on first use).
+    fn stream_mut(&mut self, slot: usize) -> &mut StreamTracker {
+        if self.streams.len() <= slot {
+            self.streams.resize_with(slot + 1, StreamTracker::new);
         }
+        &mut self.streams[slot]
     }
 
     /// Count a replay attempt by the event subscriber.
@@ -536,48 +409,31 @@ impl KvIndex {
     /// Judge and (when in order) apply one decoded batch from `slot`'s publisher, received at
     /// router time `now_ms`.
     pub fn apply_at(&mut self, slot: usize, batch: &EventBatch, seq: Option<u64>, now_ms: u64) -> ApplyOutcome {
-        let out = self.apply(slot, batch, seq);
-        if matches!(out.verdict, StreamVerdict::Applied | StreamVerdict::Reset) {
-            if let Some(s) = self.streams.get_mut(slot) {
-                s.last_applied_ms = Some(now_ms);
-            }
-        }
-        out
+        self.judge_and_apply(slot, batch, seq, Some(now_ms))
     }
 
     /// Judge and (when in order) apply one decoded batch from `slot`'s publisher (see
     /// [`StreamVerdict`]).
     pub fn apply(&mut self, slot: usize, batch: &EventBatch, seq: Option<u64>) -> ApplyOutcome {
-        if self.streams.len() <= slot {
-            self.streams.resize(slot + 1, Stream::default());
+        self.judge_and_apply(slot, batch, seq, None)
+    }
+
+    fn judge_and_apply(
+        &mut self,
+        slot: usize,
+        batch: &EventBatch,
+        seq: Option<u64>,
+        now_ms: Option<u64>,
+    ) -> ApplyOutcome {
+        // Unnumbered batches are never compared: no digest needed.
+        let digest = seq.map_or(0, |_| batch_digest(batch));
+        let judged = self.stream_mut(slot).judge(seq, digest);
+        if judged.restarted {
+            // A new incarnation of the publisher: nothing the old one reported holds.
+            self.stats.resets += 1;
+            self.blocks.clear_slot(slot);
         }
-        let st = &self.streams[slot];
-        let digest = seq.map(|_| batch_digest(batch));
-        let verdict = match (seq, st.last_seq) {
-            (None, _) => StreamVerdict::Applied,
-            (Some(0), None) => StreamVerdict::Applied,
-            (Some(s), None) if st.awaiting_start => StreamVerdict::Gap { expected: 0, got: s },
-            (Some(_), None) => StreamVerdict::Applied,
-            (Some(s), Some(last)) if s == last.wrapping_add(1) => StreamVerdict::Applied,
-            (Some(s), Some(last)) if s <= last => {
-                if digest.is_some_and(|d| st.is_repeat(s, d)) {
-                    StreamVerdict::Duplicate
-                } else {
-                    // Not a batch this stream applied: a new incarnation of the publisher.
-                    self.stats.resets += 1;
-                    self.blocks.clear_slot(slot);
-                    let st = &mut self.streams[slot];
-                    st.forget();
-                    if s == 0 {
-                        StreamVerdict::Reset
-                    } else {
-                        st.awaiting_start = true;
-                        StreamVerdict::Gap { expected: 0, got: s }
-                    }
-                }
-            }
-            (Some(s), Some(last)) => StreamVerdict::Gap { expected: last + 1, got: s },
-        };
+        let verdict = judged.verdict;
         match verdict {
             StreamVerdict::Duplicate => {
                 self.stats.duplicates += 1;
@@ -589,20 +445,10 @@ impl KvIndex {
             }
             StreamVerdict::Reset | StreamVerdict::Applied => {}
         }
-        let st = &mut self.streams[slot];
-        if let (Some(s), Some(d)) = (seq, digest) {
-            st.last_seq = Some(s);
-            st.awaiting_start = false;
-            st.remember(s, d);
-        }
-        // The latest batch's timestamp (for the lag gauge), when plausible; it never judges the
-        // stream, so a single far-future or non-finite one cannot stick.
-        if (0.0..=MAX_PUBLISHER_TS_S).contains(&batch.ts) {
-            st.last_ts = batch.ts;
-        } else {
+        // The latest batch's timestamp and when it was applied (for the lag gauge).
+        if !self.stream_mut(slot).note_applied(batch.ts, now_ms) {
             self.stats.bad_timestamps += 1;
         }
-        st.seen_events = true;
         let mut blocks = 0u64;
         for ev in &batch.events {
             blocks += self.apply_event(slot, ev);
@@ -749,12 +595,7 @@ impl KvIndex {
     /// is accepted as a fresh start) and treat it as stale until `now + stale_recovery_ms`.
     pub fn resync(&mut self, slot: usize, now_ms: u64, stale_recovery_ms: u64) {
         self.blocks.clear_slot(slot);
-        if self.streams.len() <= slot {
-            self.streams.resize(slot + 1, Stream::default());
-        }
-        let st = &mut self.streams[slot];
-        st.forget();
-        st.stale_until_ms = now_ms.saturating_add(stale_recovery_ms);
+        self.stream_mut(slot).resync(now_ms, stale_recovery_ms);
         self.stats.resyncs += 1;
     }
 

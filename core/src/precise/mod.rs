@@ -5,15 +5,21 @@
 //! - keys ([`PreciseKeys`]): the router's dual keys chained over token ids, or the engines' own
 //!   block hashes ([`engine_hash`]: vLLM's hasher, pickle and CBOR encoders);
 //! - index ([`KvIndex`]): the event-fed store (the shared [`crate::index::PrefixIndex`]) with its
-//!   per-publisher stream judgment and the speculative entries of requests just routed.
+//!   per-publisher stream judgment and the speculative entries of requests just routed;
+//! - stream judgment ([`StreamTracker`]): sequence numbers, duplicates, gaps and publisher
+//!   restarts of one publisher's stream, without an index (what a forwarder needs too).
 
 pub mod engine_hash;
 pub mod events;
 mod index;
 mod keys;
 mod speculation;
+mod stream;
 #[cfg(feature = "zmq")]
 pub mod zmq_sub;
 
-pub use index::{ApplyOutcome, KvIndex, PreciseStats, StreamInfo, StreamVerdict, MAX_PUBLISHER_TS_S, RECENT_BATCHES};
+pub use index::{ApplyOutcome, KvIndex, PreciseStats};
 pub use keys::{DualKeyHashing, PreciseKeys};
+pub use stream::{
+    batch_digest, StreamInfo, StreamJudgment, StreamTracker, StreamVerdict, MAX_PUBLISHER_TS_S, RECENT_BATCHES,
+};
