@@ -17,11 +17,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvroute::precise::{batch_digest, StreamTracker};
 use kvroute::zmq_sub::{
-    Batch, BatchOrigin, Clock, Hooks, ReplayFailure, SocketMode, SubscribeError, SubscriberConfig, SubscriberEvent,
+    Batch, BatchOrigin, Clock, EventSink, ReplayFailure, SocketMode, SubscribeError, SubscriberConfig, SubscriberEvent,
     SubscriberStats, Subscription, END_SEQ,
 };
-use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Policy, Role, Router, StreamVerdict};
+use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Policy, Role, Router, StateError, StreamVerdict};
 
 const A: &str = "127.0.0.1:8001";
 const B: &str = "127.0.0.1:8002";
@@ -436,7 +437,7 @@ fn in_order_stream_is_applied_and_routes() {
     assert_eq!(d.prefix_hit, 1.0);
     assert!(healthy(&r, A));
     let stats = stop(sub);
-    let expected = SubscriberStats { messages: 4, batches: 4, applied: 4, ..Default::default() };
+    let expected = SubscriberStats { messages: 4, batches: 4, decoded: 4, applied: 4, ..Default::default() };
     assert_eq!(stats, expected);
     assert!(seen.lock().unwrap().is_empty(), "nothing unusual: {:?}", seen.lock().unwrap());
 }
@@ -514,9 +515,12 @@ fn gap_is_replayed(format: ReplayFormat) {
     publisher.lose(&batches[5]); // a gap nobody has noticed yet: never applied
     wait_for(&sub, "5 applied batches", |s| s.applied == 5);
     let stats = stop(sub);
+    // Decoded once each: the 3 live batches (the held one is not decoded again when it is
+    // submitted after the replay) and the 3 replayed (0, the continuity proof, then 1 and 2).
     let expected = SubscriberStats {
         messages: 3,
         batches: 3,
+        decoded: 6,
         applied: 5,
         gaps: 1,
         replays: 1,
@@ -826,11 +830,11 @@ fn undecodable_batch_mid_stream_ends_in_a_resync() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// batch sink: raw batches handed out in order (for forwarders such as the filter's relay)
+// sinks: raw batches handed out in order (for forwarders such as the filter's relay)
 // ---------------------------------------------------------------------------------------------
 
-/// What the hooks saw, in the one order the worker called them: accepted batches (copied) and
-/// stream events.
+/// What a [`Recorder`] saw, in the one order the worker called it: accepted batches (copied)
+/// and stream events.
 #[derive(Debug, Clone, PartialEq)]
 enum Hooked {
     Batch { topic: Option<Vec<u8>>, seq: u64, payload: Vec<u8>, origin: BatchOrigin, verdict: StreamVerdict },
@@ -839,21 +843,43 @@ enum Hooked {
 
 type HookLog = Arc<Mutex<Vec<Hooked>>>;
 
-fn start_hooked(r: &Arc<Router>, cfg: SubscriberConfig, clock: &Clock) -> (Subscription, HookLog) {
-    let log: HookLog = Arc::default();
-    let (l1, l2) = (log.clone(), log.clone());
-    let hooks = Hooks::new()
-        .observer(Arc::new(move |e: &SubscriberEvent| l1.lock().unwrap().push(Hooked::Event(e.clone()))))
-        .batch_sink(Arc::new(move |b: &Batch<'_>| {
-            l2.lock().unwrap().push(Hooked::Batch {
+/// A sink in front of the router: each batch goes to the router, and the ones it accepted are
+/// logged raw with its verdict, like a forwarder's; every notice is logged too.
+struct Recorder {
+    router: Arc<Router>,
+    log: HookLog,
+}
+
+impl EventSink for Recorder {
+    fn deliver(&self, endpoint: &str, b: &Batch<'_>, now_ms: u64) -> Result<StreamVerdict, StateError> {
+        let verdict = self.router.deliver(endpoint, b, now_ms)?;
+        if verdict.accepted() {
+            self.log.lock().unwrap().push(Hooked::Batch {
                 topic: b.topic.map(<[u8]>::to_vec),
                 seq: b.seq,
                 payload: b.payload.to_vec(),
                 origin: b.origin,
-                verdict: b.verdict,
+                verdict,
             });
-        }));
-    let sub = Subscription::start_with_hooks(r.clone(), A, cfg, clock.clone(), hooks).unwrap();
+        }
+        Ok(verdict)
+    }
+    fn resync(&self, endpoint: &str, now_ms: u64) -> Result<(), StateError> {
+        EventSink::resync(&*self.router, endpoint, now_ms)
+    }
+    fn replay_ended(&self, endpoint: &str, ok: bool) {
+        self.router.replay_ended(endpoint, ok);
+    }
+    fn notice(&self, _endpoint: &str, event: &SubscriberEvent) {
+        self.log.lock().unwrap().push(Hooked::Event(event.clone()));
+    }
+}
+
+fn start_hooked(r: &Arc<Router>, cfg: SubscriberConfig, clock: &Clock) -> (Subscription, HookLog) {
+    let log: HookLog = Arc::default();
+    // Through a trait object, as a program choosing its sink at run time holds it.
+    let sink: Arc<dyn EventSink> = Arc::new(Recorder { router: r.clone(), log: log.clone() });
+    let sub = Subscription::start(sink, A, cfg, clock.clone()).unwrap();
     (sub, log)
 }
 
@@ -868,7 +894,7 @@ fn live(topic: &str, seq: u64, payload: &[u8]) -> Hooked {
 }
 
 #[test]
-fn batch_sink_gets_accepted_batches_raw_in_order_and_nothing_else() {
+fn a_sink_gets_accepted_batches_raw_in_order_and_nothing_else() {
     let (_, clock) = test_clock();
     let r = router(&clock);
     let mut publisher = Publisher::bind(None);
@@ -888,10 +914,11 @@ fn batch_sink_gets_accepted_batches_raw_in_order_and_nothing_else() {
     publisher.send_raw(&[b"kv@rank0", b"short"]); // malformed
     wait_for(&sub, "everything", |s| s.applied == 3 && s.duplicates == 1 && s.decode_errors == 1 && s.malformed == 1);
     let stats = stop(sub);
-    // The sink changes nothing in what the subscription does or counts.
+    // A sink in front of the router changes nothing in what the subscription does or counts.
     let expected = SubscriberStats {
         messages: 6,
         batches: 5,
+        decoded: 5,
         applied: 3,
         duplicates: 1,
         decode_errors: 1,
@@ -910,7 +937,7 @@ fn batch_sink_gets_accepted_batches_raw_in_order_and_nothing_else() {
     assert_eq!((got.index, got.blocks_stored, got.batches), (want.index, want.blocks_stored, want.batches));
 }
 
-fn batch_sink_gets_replayed_batches_before_the_held_one(format: ReplayFormat) {
+fn a_sink_gets_replayed_batches_before_the_held_one(format: ReplayFormat) {
     let (_, clock) = test_clock();
     let r = router(&clock);
     let mut publisher = Publisher::bind(Some(format));
@@ -952,17 +979,17 @@ fn batch_sink_gets_replayed_batches_before_the_held_one(format: ReplayFormat) {
 }
 
 #[test]
-fn batch_sink_gets_replayed_batches_before_the_held_one_vllm_026_format() {
-    batch_sink_gets_replayed_batches_before_the_held_one(ReplayFormat::V026);
+fn a_sink_gets_replayed_batches_before_the_held_one_vllm_026_format() {
+    a_sink_gets_replayed_batches_before_the_held_one(ReplayFormat::V026);
 }
 
 #[test]
-fn batch_sink_gets_replayed_batches_before_the_held_one_vllm_023_format() {
-    batch_sink_gets_replayed_batches_before_the_held_one(ReplayFormat::V023);
+fn a_sink_gets_replayed_batches_before_the_held_one_vllm_023_format() {
+    a_sink_gets_replayed_batches_before_the_held_one(ReplayFormat::V023);
 }
 
 #[test]
-fn batch_sink_learns_of_a_resync_before_the_fresh_start_and_of_a_reset_with_its_batch() {
+fn a_sink_learns_of_a_resync_before_the_fresh_start_and_of_a_reset_with_its_batch() {
     let (_, clock) = test_clock();
     let r = router(&clock);
     let mut publisher = Publisher::bind(None);
@@ -984,7 +1011,7 @@ fn batch_sink_learns_of_a_resync_before_the_fresh_start_and_of_a_reset_with_its_
             Hooked::Event(SubscriberEvent::ReplayFailed { expected: 1, reason: ReplayFailure::Unavailable }),
             Hooked::Event(SubscriberEvent::Resync { expected: 1, got: 2 }),
             live("", 2, &batches[2]),
-            Hooked::Event(SubscriberEvent::Reset { seq: 0 }),
+            // The sink's own verdict: the notice follows the delivery that returned it.
             Hooked::Batch {
                 topic: Some(Vec::new()),
                 seq: 0,
@@ -992,8 +1019,137 @@ fn batch_sink_learns_of_a_resync_before_the_fresh_start_and_of_a_reset_with_its_
                 origin: BatchOrigin::Live,
                 verdict: StreamVerdict::Reset,
             },
+            Hooked::Event(SubscriberEvent::Reset { seq: 0 }),
         ]
     );
+}
+
+/// What a [`TrackerSink`] was called with, in order.
+#[derive(Debug, Clone, PartialEq)]
+enum Call {
+    Deliver { seq: u64, origin: BatchOrigin, verdict: StreamVerdict },
+    Resync,
+    ReplayEnded { ok: bool },
+}
+
+/// A sink with no router and no index: it judges the stream with a [`StreamTracker`] alone, as
+/// a forwarder does, and keeps (seq, publisher ts) of the batches it accepted.
+#[derive(Default)]
+struct TrackerSink {
+    stream: Mutex<StreamTracker>,
+    calls: Mutex<Vec<Call>>,
+    accepted: Mutex<Vec<(u64, f64)>>,
+}
+
+impl EventSink for TrackerSink {
+    fn deliver(&self, endpoint: &str, b: &Batch<'_>, _now_ms: u64) -> Result<StreamVerdict, StateError> {
+        assert_eq!(endpoint, A);
+        let judged = self.stream.lock().unwrap().judge(Some(b.seq), batch_digest(b.decoded));
+        if judged.restarted {
+            self.accepted.lock().unwrap().clear();
+        }
+        if judged.verdict.accepted() {
+            self.accepted.lock().unwrap().push((b.seq, b.decoded.ts));
+        }
+        self.calls.lock().unwrap().push(Call::Deliver { seq: b.seq, origin: b.origin, verdict: judged.verdict });
+        Ok(judged.verdict)
+    }
+    fn resync(&self, _endpoint: &str, now_ms: u64) -> Result<(), StateError> {
+        self.stream.lock().unwrap().resync(now_ms, 0);
+        self.accepted.lock().unwrap().clear();
+        self.calls.lock().unwrap().push(Call::Resync);
+        Ok(())
+    }
+    fn replay_ended(&self, _endpoint: &str, ok: bool) {
+        self.calls.lock().unwrap().push(Call::ReplayEnded { ok });
+    }
+}
+
+fn start_tracked(cfg: SubscriberConfig, clock: &Clock) -> (Subscription, Arc<TrackerSink>) {
+    let sink = Arc::new(TrackerSink::default());
+    (Subscription::start(sink.clone(), A, cfg, clock.clone()).unwrap(), sink)
+}
+
+fn deliver(seq: u64, origin: BatchOrigin, verdict: StreamVerdict) -> Call {
+    Call::Deliver { seq, origin, verdict }
+}
+
+#[test]
+fn a_sink_without_a_router_drives_gap_replay_with_its_own_verdicts() {
+    use BatchOrigin::{Live, Replay};
+    use StreamVerdict::{Applied, Duplicate};
+    let (_, clock) = test_clock();
+    let mut publisher = Publisher::bind(Some(ReplayFormat::V026));
+    let mut cfg = config(&publisher.endpoint());
+    cfg.replay_endpoint = Some(publisher.replay_endpoint());
+    let (sub, sink) = start_tracked(cfg, &clock);
+    publisher.wait_subscribed();
+    let batches = chain(5, Encoding::Map);
+    publisher.publish(&batches[0]);
+    publisher.lose(&batches[1]);
+    publisher.lose(&batches[2]);
+    publisher.publish(&batches[3]); // a gap: held, 0..=2 replayed, then delivered again
+    publisher.publish(&batches[4]);
+    wait_for(&sub, "5 applied batches", |s| s.applied == 5);
+    let stats = stop(sub);
+    assert_eq!(
+        *sink.calls.lock().unwrap(),
+        vec![
+            deliver(0, Live, Applied),
+            deliver(3, Live, StreamVerdict::Gap { expected: 1, got: 3 }),
+            deliver(0, Replay, Duplicate), // the continuity proof
+            deliver(1, Replay, Applied),
+            deliver(2, Replay, Applied),
+            Call::ReplayEnded { ok: true },
+            deliver(3, Live, Applied),
+            deliver(4, Live, Applied),
+        ]
+    );
+    // The decoded batches came with the raw ones: the publisher's timestamps, in order.
+    let want: Vec<(u64, f64)> = (0..5).map(|k| (k, 1.0 + k as f64)).collect();
+    assert_eq!(*sink.accepted.lock().unwrap(), want);
+    // The same counters as with a router behind the subscription (`gap_is_replayed`); seven
+    // deliveries, six decodes: the held batch is not decoded twice.
+    let expected = SubscriberStats {
+        messages: 3,
+        batches: 3,
+        decoded: 6,
+        applied: 5,
+        gaps: 1,
+        replays: 1,
+        replayed_batches: 2,
+        ..Default::default()
+    };
+    assert_eq!(stats, expected);
+}
+
+#[test]
+fn a_sink_without_a_router_is_resynced_before_the_fresh_start_and_judges_a_restart() {
+    use BatchOrigin::Live;
+    use StreamVerdict::Applied;
+    let (_, clock) = test_clock();
+    let mut publisher = Publisher::bind(None);
+    let (sub, sink) = start_tracked(config(&publisher.endpoint()), &clock);
+    publisher.wait_subscribed();
+    publish_with_a_gap(&mut publisher); // 0, (1 lost), 2: no replay endpoint, so a resync
+    wait_for(&sub, "a resync", |s| s.resyncs == 1 && s.applied == 2);
+    publisher.restart();
+    publisher.publish(&chain_batch(0, 100.0, Encoding::Map));
+    wait_for(&sub, "the restarted stream", |s| s.resets == 1);
+    let stats = stop(sub);
+    assert_eq!(
+        *sink.calls.lock().unwrap(),
+        vec![
+            deliver(0, Live, Applied),
+            deliver(2, Live, StreamVerdict::Gap { expected: 1, got: 2 }),
+            Call::Resync,
+            deliver(2, Live, Applied),
+            deliver(0, Live, StreamVerdict::Reset),
+        ]
+    );
+    assert_eq!(*sink.accepted.lock().unwrap(), vec![(0, 100.0)], "the restart dropped the old incarnation's");
+    assert_eq!((stats.applied, stats.gaps, stats.resyncs, stats.resets, stats.replays), (3, 1, 1, 1, 0));
+    assert_eq!((stats.decoded, stats.duplicates, stats.router_errors), (3, 0, 0));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ pub mod engine_hash;
 pub mod events;
 mod index;
 mod keys;
+#[cfg(feature = "zmq")]
+mod sink;
 mod speculation;
 mod stream;
 #[cfg(feature = "zmq")]

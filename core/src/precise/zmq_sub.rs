@@ -1,10 +1,13 @@
 //! ZMQ subscriber for engine KV events (cargo feature `zmq`, native only).
 //!
 //! A [`Subscription`] owns ONE background thread that receives a vLLM (or SGLang) KV-event
-//! stream over ZMQ and feeds every batch to [`Router::apply_events`], recovering from lost
-//! batches with the publisher's replay socket. The core stays free of clocks, threads and I/O:
-//! this adapter supplies `now_ms` from a [`Clock`] it is given and calls the router's pure
-//! methods.
+//! stream over ZMQ, decodes each batch once and delivers it to an [`EventSink`], recovering
+//! from lost batches with the publisher's replay socket. The sink judges each batch's place in
+//! the stream and keeps it: a [`Router`] (it applies batches to its precise index) or, in a
+//! program that only forwards batches, a sink that judges them with a
+//! [`crate::precise::StreamTracker`] (the Envoy filter's relay). The core stays free of clocks,
+//! threads and I/O: this adapter supplies `now_ms` from a [`Clock`] it is given and calls the
+//! sink's methods, the router's being pure.
 //!
 //! # Wire format
 //! - Live stream (ZMQ `SUB`): multipart `[topic (utf-8), seq (8-byte big-endian u64), payload
@@ -25,27 +28,30 @@
 //!   re-announcements).
 //!
 //! # Gaps, replay and resync
-//! When the router judges a batch a [`StreamVerdict::Gap`] (batches `expected..got` are
+//! When the sink judges a batch a [`StreamVerdict::Gap`] (batches `expected..got` are
 //! missing), the batch is held and the worker:
 //! 1. opens a fresh `DEALER` (so a late answer to an earlier, timed-out request can never be
-//!    mistaken for this one), asks for `expected - 1` — the last batch applied, which the router
-//!    judges a duplicate only when the publisher is the same process — and applies each replayed
-//!    batch in order with its sequence number, until the batch before the held one has been
-//!    applied. When the router finds that first batch is not the one it applied (the engine
+//!    mistaken for this one), asks for `expected - 1` — the last batch applied, which the sink
+//!    judges a duplicate only when the publisher is the same process — and delivers each
+//!    replayed batch in order with its sequence number, until the batch before the held one has
+//!    been applied. When the sink finds that first batch is not the one it applied (the engine
 //!    restarted, e.g. during a disconnect, and its new sequence passed the old one), it clears
-//!    the endpoint and answers a gap from 0: the worker asks again from 0, applying the new
+//!    the endpoint and answers a gap from 0: the worker asks again from 0, delivering the new
 //!    process's batches from its first;
 //! 2. gives up ([`ReplayFailure`]) when no replay endpoint is configured, when no complete answer
 //!    arrives within [`SubscriberConfig::replay_timeout_ms`], when the replay does not reach back
 //!    to the last batch applied ([`ReplayFailure::Unproven`]) or to `expected`
 //!    ([`ReplayFailure::TooOld`]), when the replay ends or skips before the held batch, or when a
-//!    replayed batch cannot be applied; it then calls [`Router::resync_stream`] (the endpoint's
-//!    precise entries are dropped and it counts as stale for `index.precise.stale_recovery_ms`);
+//!    replayed batch cannot be applied; it then calls [`EventSink::resync`] (the router drops
+//!    the endpoint's precise entries and counts it as stale for
+//!    `index.precise.stale_recovery_ms`);
 //! 3. submits the held batch again (after a resync it is accepted as a fresh start).
+//!
+//! Each replay's end is told to [`EventSink::replay_ended`] (the router counts it).
 //!
 //! # Restarts
 //! A publisher restart whose first batch is seen with a sequence number not above the last one
-//! applied is judged by the router: [`StreamVerdict::Reset`] at 0 (endpoint cleared, batch
+//! applied is judged by the sink: [`StreamVerdict::Reset`] at 0 (endpoint cleared, batch
 //! applied; the subscriber counts it), a gap from 0 otherwise (endpoint cleared; the worker
 //! replays from 0 as above, or resyncs). The `SUB` socket is monitored for lost connections
 //! ([`SubscriberStats::disconnects`]): ZMQ reconnects by itself, and the first batch after a lost
@@ -53,23 +59,22 @@
 //! it is in order, the worker first proves continuity by replaying from the last batch applied
 //! (as in step 1; a restart found there is replayed from 0), and resyncs when that cannot be done.
 //! A payload that does not decode is counted and reported, and the stream goes on; since the
-//! router never saw that sequence number, the next batch is a gap, whose replay brings the same
+//! sink never saw that sequence number, the next batch is a gap, whose replay brings the same
 //! undecodable bytes, so the stream is resynchronized: entries that batch would have changed are
 //! never trusted blindly.
 //!
-//! # Raw batches: forwarding
-//! A subscription can also hand out the batches it receives, for a program that forwards them
-//! elsewhere (e.g. a relay that POSTs them to a process without sockets): give
-//! [`Subscription::start_with_hooks`] a [`BatchSink`]. It is called with every batch the router
-//! accepted (verdict [`StreamVerdict::Applied`] or [`StreamVerdict::Reset`]) as a [`Batch`]: the
-//! raw payload, its topic and sequence number, and whether it came from the live stream or from a
-//! replay. Batches reach the sink in the order the router applied them, which is sequence order:
-//! batches recovered by replay come before the held batch that revealed the gap. Duplicates,
-//! payloads that do not decode and batches the router refused never reach it. The sink and the
-//! [`Observer`] are called on the same worker thread, in stream order, so a forwarder learns of a
-//! [`SubscriberEvent::Resync`] (its downstream must drop what it holds for the endpoint) before
-//! the batch that starts the stream again. The router doing the judging can be a *shadow* router
-//! kept only for that purpose (precise mode with a small index is enough).
+//! # Sinks: applying or forwarding
+//! [`EventSink::deliver`] is given each batch as a [`Batch`]: the payload decoded (once, by the
+//! subscription: [`SubscriberStats::decoded`] counts it) and raw, its topic and sequence number,
+//! and whether it came from the live stream or from a replay. Batches come in sequence order:
+//! batches recovered by replay before the held batch that revealed the gap. Payloads that do not
+//! decode never reach the sink. A forwarder (e.g. a relay that POSTs batches to a process
+//! without sockets) passes on the raw payload of the batches it accepts, and on
+//! [`EventSink::resync`] tells its downstream to drop what it holds for the endpoint: that call
+//! comes before the batch that starts the stream again. Everything unusual reaches
+//! [`EventSink::notice`] and then the [`Observer`], if one was given, on the same thread, in
+//! stream order; a verdict's own notice ([`SubscriberEvent::Gap`], [`SubscriberEvent::Reset`])
+//! comes after the `deliver` call that returned it.
 //!
 //! # Threading and shutdown
 //! [`Subscription::start`] gives the subscription its own ZMQ context, opens the sockets on the
@@ -80,15 +85,15 @@
 //! interval. Sockets are closed with linger 0: nothing is left behind.
 //!
 //! # Clock
-//! `now_ms` given to the router comes from the [`Clock`] passed to `start`. Metric snapshots
+//! `now_ms` given to the sink comes from the [`Clock`] passed to `start`. Metric snapshots
 //! (`MetricsSnapshot::updated_ms`) and `route` calls must use the same clock. [`unix_clock`]
 //! (milliseconds since the UNIX epoch) is the usual choice; pass a monotonic clock (or a test
 //! clock) if the rest of the program uses one.
 //!
 //! # Limits
-//! One subscription feeds one router endpoint from one publisher. With data parallelism, each
-//! rank publishes its own numbered stream (vLLM: port + rank); the router keeps one sequence per
-//! endpoint, so subscribe each rank as its own router endpoint.
+//! One subscription feeds one endpoint of its sink from one publisher. With data parallelism,
+//! each rank publishes its own numbered stream (vLLM: port + rank); the router keeps one
+//! sequence per endpoint, so subscribe each rank as its own router endpoint.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -112,7 +117,7 @@
 // is given, never from the system clock directly.
 #![allow(clippy::disallowed_methods)]
 
-use std::cell::Cell;
+use std::cell::{Cell, OnceCell};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -123,10 +128,13 @@ pub use crate::clock::{unix_clock, unix_time_ms, Clock};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::precise::sink::{Batch, BatchOrigin, EventSink};
+
 use crate::endpoints::validate_endpoint_id;
-use crate::error::{EventIngestError, StateError};
-use crate::precise::events::EventError;
+use crate::error::StateError;
+use crate::precise::events::{decode_batch, EventBatch, EventError};
 use crate::precise::StreamVerdict;
+#[cfg(doc)]
 use crate::router::Router;
 
 /// Default: how long a replay may take (request to end marker), milliseconds.
@@ -142,89 +150,10 @@ pub const END_SEQ: u64 = u64::MAX;
 /// Messages received per wake-up before the stop flag is looked at again.
 const MAX_DRAIN: usize = 1024;
 
-/// A callback told about everything unusual on the stream (called on the worker thread: keep
-/// it short and non-blocking; a panic in it ends the subscription).
+/// A callback told about everything unusual on the stream, after the sink's
+/// [`EventSink::notice`] (called on the worker thread: keep it short and non-blocking; a panic
+/// in it ends the subscription).
 pub type Observer = Arc<dyn Fn(&SubscriberEvent) + Send + Sync>;
-
-/// A callback given every batch the router accepted, in order (see the module docs, "Raw
-/// batches"). Called on the worker thread: keep it short and non-blocking (e.g. hand the batch
-/// to a bounded queue); a panic in it ends the subscription.
-pub type BatchSink = Arc<dyn Fn(&Batch<'_>) + Send + Sync>;
-
-/// Where a [`Batch`] handed to a [`BatchSink`] came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum BatchOrigin {
-    /// The live stream (`SUB`), including a batch held during a gap's recovery and applied after.
-    Live,
-    /// The publisher's replay socket, recovering a gap.
-    Replay,
-}
-
-/// One batch the router accepted, as received: what a [`BatchSink`] is given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Batch<'a> {
-    /// The topic frame. `None` for a replayed batch in the vLLM ≤ 0.23 reply format, which
-    /// carries no topic.
-    pub topic: Option<&'a [u8]>,
-    /// The publisher's sequence number.
-    pub seq: u64,
-    /// The msgpack payload, unchanged.
-    pub payload: &'a [u8],
-    /// Live or replayed.
-    pub origin: BatchOrigin,
-    /// The router's verdict: [`StreamVerdict::Applied`], or [`StreamVerdict::Reset`] when the
-    /// batch starts a restarted publisher's stream (the router cleared the endpoint first).
-    pub verdict: StreamVerdict,
-}
-
-/// Optional callbacks of a subscription, for [`Subscription::start_with_hooks`].
-///
-/// ```
-/// use std::sync::Arc;
-/// use kvroute::zmq_sub::{Batch, Hooks, SubscriberEvent};
-///
-/// let hooks = Hooks::new()
-///     .observer(Arc::new(|e: &SubscriberEvent| eprintln!("stream: {e:?}")))
-///     .batch_sink(Arc::new(|b: &Batch<'_>| eprintln!("batch {} ({} bytes)", b.seq, b.payload.len())));
-/// # let _ = hooks;
-/// ```
-#[derive(Clone, Default)]
-pub struct Hooks {
-    observer: Option<Observer>,
-    batch_sink: Option<BatchSink>,
-}
-
-impl fmt::Debug for Hooks {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Hooks")
-            .field("observer", &self.observer.is_some())
-            .field("batch_sink", &self.batch_sink.is_some())
-            .finish()
-    }
-}
-
-impl Hooks {
-    /// No callbacks (what [`Subscription::start`] uses).
-    pub fn new() -> Self {
-        Hooks::default()
-    }
-
-    /// Tell `observer` about everything unusual on the stream (see [`SubscriberEvent`]).
-    #[must_use]
-    pub fn observer(mut self, observer: Observer) -> Self {
-        self.observer = Some(observer);
-        self
-    }
-
-    /// Give `sink` every batch the router accepted, in order (see [`BatchSink`]).
-    #[must_use]
-    pub fn batch_sink(mut self, sink: BatchSink) -> Self {
-        self.batch_sink = Some(sink);
-        self
-    }
-}
 
 /// Whether the subscriber binds its `SUB` socket or connects it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -353,7 +282,7 @@ pub enum SubscribeError {
         /// Why it is rejected.
         reason: String,
     },
-    /// The router endpoint id is not a valid `ip:port`.
+    /// The endpoint id is not a valid `ip:port`.
     #[error(transparent)]
     EndpointId(#[from] StateError),
     /// A ZMQ call failed while setting up the socket.
@@ -433,7 +362,8 @@ pub enum ReplayFailure {
     },
 }
 
-/// Something unusual on the stream, reported to the [`Observer`].
+/// Something unusual on the stream, reported to the sink ([`EventSink::notice`]) and the
+/// [`Observer`].
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum SubscriberEvent {
@@ -451,22 +381,23 @@ pub enum SubscriberEvent {
         /// The decoder's error.
         error: EventError,
     },
-    /// The router refused the batch or a resync (e.g. the endpoint is not registered).
+    /// The sink (e.g. the router) refused the batch or a resync (e.g. the endpoint is not
+    /// registered).
     Router {
         /// Sequence number of the batch concerned.
         seq: u64,
-        /// The router's error.
+        /// The sink's error.
         error: StateError,
     },
     /// Batches `expected..got` are missing; recovery starts. `expected` 0: the publisher
-    /// restarted and its first batches were missed (the router cleared the endpoint).
+    /// restarted and its first batches were missed (the sink cleared the endpoint).
     Gap {
         /// First missing sequence number.
         expected: u64,
         /// The sequence number received.
         got: u64,
     },
-    /// The publisher restarted (sequence back to 0); the router cleared the endpoint and applied
+    /// The publisher restarted (sequence back to 0); the sink cleared the endpoint and applied
     /// the batch. (A restart first seen at a later sequence number is a [`SubscriberEvent::Gap`]
     /// from 0.)
     Reset {
@@ -496,9 +427,12 @@ pub struct SubscriberStats {
     pub messages: u64,
     /// Well-formed batches received on the live stream.
     pub batches: u64,
-    /// Batches the router applied (verdict `Applied` or `Reset`), live, replayed or resubmitted.
+    /// Payloads decoded (successfully or not): each live or replayed batch is decoded once,
+    /// whatever happens to it after (a held batch submitted again is not decoded again).
+    pub decoded: u64,
+    /// Batches the sink applied (verdict `Applied` or `Reset`), live, replayed or resubmitted.
     pub applied: u64,
-    /// Batches the router ignored as already seen.
+    /// Batches the sink ignored as already seen.
     pub duplicates: u64,
     /// Publisher restarts (verdict `Reset`).
     pub resets: u64,
@@ -510,7 +444,8 @@ pub struct SubscriberStats {
     pub replayed_batches: u64,
     /// Replays that did not recover their gap (a missing replay endpoint does not count).
     pub replay_failures: u64,
-    /// Streams resynchronized through [`Router::resync_stream`].
+    /// Streams resynchronized through [`EventSink::resync`] (the router's
+    /// [`Router::resync_stream`]).
     pub resyncs: u64,
     /// Connections to the publisher lost (ZMQ's `ZMQ_EVENT_DISCONNECTED`; ZMQ reconnects).
     pub disconnects: u64,
@@ -518,7 +453,7 @@ pub struct SubscriberStats {
     pub decode_errors: u64,
     /// Messages skipped for their shape (frame count, sequence frame size).
     pub malformed: u64,
-    /// Batches or resyncs the router refused (e.g. unknown endpoint).
+    /// Batches or resyncs the sink refused (e.g. the router does not know the endpoint).
     pub router_errors: u64,
 }
 
@@ -526,6 +461,7 @@ pub struct SubscriberStats {
 struct Counters {
     messages: AtomicU64,
     batches: AtomicU64,
+    decoded: AtomicU64,
     applied: AtomicU64,
     duplicates: AtomicU64,
     resets: AtomicU64,
@@ -550,6 +486,7 @@ impl Counters {
         SubscriberStats {
             messages: g(&self.messages),
             batches: g(&self.batches),
+            decoded: g(&self.decoded),
             applied: g(&self.applied),
             duplicates: g(&self.duplicates),
             resets: g(&self.resets),
@@ -566,7 +503,7 @@ impl Counters {
     }
 }
 
-/// A running subscription: one background thread feeding one router endpoint. Stop it with
+/// A running subscription: one background thread feeding one endpoint of a sink. Stop it with
 /// [`Subscription::stop`] (dropping it stops it too).
 pub struct Subscription {
     stop: Arc<AtomicBool>,
@@ -588,42 +525,31 @@ impl fmt::Debug for Subscription {
 }
 
 impl Subscription {
-    /// Subscribe to `cfg.endpoint` and feed its batches to `router` as endpoint `endpoint_id`
-    /// (an `ip:port` the router knows, or will know: batches for an unregistered endpoint are
-    /// counted in [`SubscriberStats::router_errors`]), with `now_ms` read from `clock`.
+    /// Subscribe to `cfg.endpoint` and deliver its batches to `sink` as endpoint `endpoint_id`
+    /// (an `ip:port`; for a [`Router`], one it knows or will know: batches for an unregistered
+    /// endpoint are counted in [`SubscriberStats::router_errors`]), with `now_ms` read from
+    /// `clock`. `sink` is any [`EventSink`]: an `Arc<Router>`, an `Arc` of your own sink, or an
+    /// `Arc<dyn EventSink>`.
     ///
     /// Returns once the socket is bound or connected (a bind or connect error is returned here).
-    pub fn start(
-        router: Arc<Router>,
+    pub fn start<S: EventSink + ?Sized + 'static>(
+        sink: Arc<S>,
         endpoint_id: impl Into<String>,
         cfg: SubscriberConfig,
         clock: Clock,
     ) -> Result<Subscription, SubscribeError> {
-        Self::start_with_observer(router, endpoint_id, cfg, clock, None)
+        Self::start_with_observer(sink, endpoint_id, cfg, clock, None)
     }
 
     /// [`Subscription::start`] with an [`Observer`] told about malformed messages, decode
-    /// errors, gaps, restarts, replay failures and resyncs.
-    pub fn start_with_observer(
-        router: Arc<Router>,
+    /// errors, gaps, restarts, replay failures and resyncs (after the sink's
+    /// [`EventSink::notice`]).
+    pub fn start_with_observer<S: EventSink + ?Sized + 'static>(
+        sink: Arc<S>,
         endpoint_id: impl Into<String>,
         cfg: SubscriberConfig,
         clock: Clock,
         observer: Option<Observer>,
-    ) -> Result<Subscription, SubscribeError> {
-        let hooks = Hooks { observer, batch_sink: None };
-        Self::start_with_hooks(router, endpoint_id, cfg, clock, hooks)
-    }
-
-    /// [`Subscription::start`] with callbacks: an [`Observer`] (as in
-    /// [`Subscription::start_with_observer`]) and a [`BatchSink`] given every batch the router
-    /// accepted, raw, in order. Both run on the worker thread, in stream order.
-    pub fn start_with_hooks(
-        router: Arc<Router>,
-        endpoint_id: impl Into<String>,
-        cfg: SubscriberConfig,
-        clock: Clock,
-        hooks: Hooks,
     ) -> Result<Subscription, SubscribeError> {
         let endpoint_id = endpoint_id.into();
         cfg.validate()?;
@@ -631,12 +557,11 @@ impl Subscription {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
         let worker = Worker {
-            router,
+            sink,
             endpoint_id: endpoint_id.clone(),
             cfg,
             clock,
-            observer: hooks.observer,
-            batch_sink: hooks.batch_sink,
+            observer,
             counters: counters.clone(),
             stop: stop.clone(),
             ctx: zmq::Context::new(),
@@ -664,7 +589,7 @@ impl Subscription {
         }
     }
 
-    /// The router endpoint this subscription feeds.
+    /// The endpoint id this subscription delivers as.
     pub fn endpoint_id(&self) -> &str {
         &self.endpoint_id
     }
@@ -746,17 +671,16 @@ fn wants_ipv6(endpoint: &str) -> bool {
     endpoint.contains('[') || endpoint.contains("::")
 }
 
-struct Worker {
-    router: Arc<Router>,
+struct Worker<S: ?Sized> {
+    sink: Arc<S>,
     endpoint_id: String,
     cfg: SubscriberConfig,
     clock: Clock,
     observer: Option<Observer>,
-    batch_sink: Option<BatchSink>,
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
     ctx: zmq::Context,
-    /// The last sequence number the router applied from this stream (`None`: none yet, or a
+    /// The last sequence number the sink applied from this stream (`None`: none yet, or a
     /// fresh start is due after a resync or a restart).
     last_seq: Cell<Option<u64>>,
     /// The connection was lost since the last live batch: the next one may come from a
@@ -767,16 +691,21 @@ struct Worker {
 /// Where the `SUB` socket's monitor publishes (one context per subscription).
 const MONITOR_ENDPOINT: &str = "inproc://kvroute-zmq-sub-monitor";
 
-/// A batch as received, before the router judges it.
+/// A payload, decoded when first needed and kept (a held batch submitted again after a replay
+/// is not decoded a second time).
+type Decoded = OnceCell<Result<EventBatch, EventError>>;
+
+/// A batch as received, before the sink judges it.
 #[derive(Clone, Copy)]
 struct Received<'a> {
     topic: Option<&'a [u8]>,
     seq: u64,
     payload: &'a [u8],
     origin: BatchOrigin,
+    decoded: &'a Decoded,
 }
 
-impl Worker {
+impl<S: EventSink + ?Sized> Worker<S> {
     fn run(self, started: &mpsc::SyncSender<Result<String, SubscribeError>>) {
         let (sub, monitor) = match self.open() {
             Ok((sub, monitor, local)) => {
@@ -838,6 +767,7 @@ impl Worker {
     }
 
     fn notify(&self, event: SubscriberEvent) {
+        self.sink.notice(&self.endpoint_id, &event);
         if let Some(o) = &self.observer {
             o(&event);
         }
@@ -895,10 +825,11 @@ impl Worker {
             return malformed("sequence frame is not 8 bytes");
         };
         bump(&self.counters.batches);
-        let batch = Received { topic: Some(topic), seq, payload, origin: BatchOrigin::Live };
+        let decoded = Decoded::new();
+        let batch = Received { topic: Some(topic), seq, payload, origin: BatchOrigin::Live, decoded: &decoded };
         // In order, but the connection was lost since the last batch: a restarted publisher may
         // have reached this number again. Prove continuity first (replay from the last batch
-        // applied), or resync. Any other number after a lost connection is judged by the router:
+        // applied), or resync. Any other number after a lost connection is judged by the sink:
         // going back is a repeat or a restart, jumping ahead a gap whose replay starts at the
         // last batch applied.
         let unsure = self.disconnected.replace(false);
@@ -911,35 +842,37 @@ impl Worker {
         }
     }
 
-    /// Hand an accepted batch to the sink, if any.
-    fn sink(&self, b: Received<'_>, verdict: StreamVerdict) {
-        if let Some(sink) = &self.batch_sink {
-            sink(&Batch { topic: b.topic, seq: b.seq, payload: b.payload, origin: b.origin, verdict });
-        }
-    }
-
-    /// Apply one batch; count and report what happened, and hand it to the sink when accepted.
-    /// `None`: not applied (decode or router error).
+    /// Deliver one batch to the sink (decoding it first, once); count and report what
+    /// happened. `None`: not applied (decode error, or the sink refused it).
     fn apply(&self, b: Received<'_>) -> Option<StreamVerdict> {
-        let (seq, now) = (b.seq, (self.clock)());
-        match self.router.apply_events(&self.endpoint_id, b.payload, Some(seq), now) {
-            Ok(out) => {
-                match out.verdict {
+        let seq = b.seq;
+        let decoded = b.decoded.get_or_init(|| {
+            bump(&self.counters.decoded);
+            decode_batch(b.payload)
+        });
+        let decoded = match decoded {
+            Ok(batch) => batch,
+            Err(error) => {
+                bump(&self.counters.decode_errors);
+                self.notify(SubscriberEvent::Decode { seq, error: error.clone() });
+                return None;
+            }
+        };
+        let batch = Batch { topic: b.topic, seq, payload: b.payload, decoded, origin: b.origin };
+        match self.sink.deliver(&self.endpoint_id, &batch, (self.clock)()) {
+            Ok(verdict) => {
+                match verdict {
                     StreamVerdict::Applied | StreamVerdict::Reset => self.last_seq.set(Some(seq)),
-                    // A restart whose first batches were missed: the router cleared the stream.
+                    // A restart whose first batches were missed: the sink cleared the stream.
                     StreamVerdict::Gap { expected: 0, .. } => self.last_seq.set(None),
                     StreamVerdict::Gap { .. } | StreamVerdict::Duplicate => {}
                 }
-                match out.verdict {
-                    StreamVerdict::Applied => {
-                        bump(&self.counters.applied);
-                        self.sink(b, out.verdict);
-                    }
+                match verdict {
+                    StreamVerdict::Applied => bump(&self.counters.applied),
                     StreamVerdict::Reset => {
                         bump(&self.counters.applied);
                         bump(&self.counters.resets);
                         self.notify(SubscriberEvent::Reset { seq });
-                        self.sink(b, out.verdict);
                     }
                     // The overlap a replay starts with is a continuity proof, not a duplicate.
                     StreamVerdict::Duplicate if b.origin == BatchOrigin::Replay => {}
@@ -949,14 +882,9 @@ impl Worker {
                         self.notify(SubscriberEvent::Gap { expected, got });
                     }
                 }
-                Some(out.verdict)
+                Some(verdict)
             }
-            Err(EventIngestError::Decode(error)) => {
-                bump(&self.counters.decode_errors);
-                self.notify(SubscriberEvent::Decode { seq, error });
-                None
-            }
-            Err(EventIngestError::State(error)) => {
+            Err(error) => {
                 bump(&self.counters.router_errors);
                 self.notify(SubscriberEvent::Router { seq, error });
                 None
@@ -965,8 +893,8 @@ impl Worker {
     }
 
     /// Batches `expected..held` are missing: replay them (or resync), then submit the held one.
-    /// The replay starts at `expected - 1`, the last batch applied, which the router judges a
-    /// duplicate only when the publisher did not restart in between; when it did, the router
+    /// The replay starts at `expected - 1`, the last batch applied, which the sink judges a
+    /// duplicate only when the publisher did not restart in between; when it did, the sink
     /// reports a gap from 0 and the replay starts again there.
     fn recover(&self, expected: u64, held: u64, batch: Received<'_>) {
         let failure = match &self.cfg.replay_endpoint {
@@ -980,8 +908,7 @@ impl Worker {
                 }
                 match end {
                     ReplayEnd::Done => {
-                        // Counted in the router's metrics too (its `metrics_text`).
-                        let _ = self.router.record_replay(&self.endpoint_id, true);
+                        self.sink.replay_ended(&self.endpoint_id, true);
                         None
                     }
                     ReplayEnd::Stopped => return,
@@ -994,7 +921,7 @@ impl Worker {
         if let Some(reason) = failure {
             if reason != ReplayFailure::Unavailable {
                 bump(&self.counters.replay_failures);
-                let _ = self.router.record_replay(&self.endpoint_id, false);
+                self.sink.replay_ended(&self.endpoint_id, false);
             }
             self.notify(SubscriberEvent::ReplayFailed { expected, reason });
             self.resync(expected, held);
@@ -1007,7 +934,7 @@ impl Worker {
     }
 
     fn resync(&self, expected: u64, got: u64) {
-        match self.router.resync_stream(&self.endpoint_id, (self.clock)()) {
+        match self.sink.resync(&self.endpoint_id, (self.clock)()) {
             Ok(()) => {
                 self.last_seq.set(None);
                 bump(&self.counters.resyncs);
@@ -1091,10 +1018,11 @@ impl Worker {
                 };
                 return ReplayEnd::Failed(failure);
             }
-            match self.apply(Received { topic, seq, payload, origin: BatchOrigin::Replay }) {
+            let decoded = Decoded::new();
+            match self.apply(Received { topic, seq, payload, origin: BatchOrigin::Replay, decoded: &decoded }) {
                 Some(StreamVerdict::Applied | StreamVerdict::Reset) => bump(&self.counters.replayed_batches),
                 Some(StreamVerdict::Duplicate) => {}
-                // The overlap revealed a restarted publisher (the router cleared the endpoint).
+                // The overlap revealed a restarted publisher (the sink cleared the endpoint).
                 Some(StreamVerdict::Gap { expected: 0, .. }) if expected > 0 => return ReplayEnd::Restarted,
                 Some(StreamVerdict::Gap { .. }) | None => {
                     return ReplayEnd::Failed(ReplayFailure::Unusable { seq });
