@@ -1,36 +1,20 @@
-//! One core [`Subscription`] per engine, feeding a shadow router and handing every batch it
-//! accepts to the forwarders.
+//! One core [`Subscription`] per engine, delivering to an [`EngineSink`] that judges the
+//! engine's stream and hands every batch it accepts to the forwarders.
 //!
-//! Receiving, framing, sequence judgment, gap replay and resync are the core's
-//! (`kvroute::zmq_sub`): this module only turns the subscription's callbacks into forwarder
-//! messages. The subscription calls its observer and its batch sink on one thread in stream
+//! Receiving, framing, decoding, gap replay and resync are the core's (`kvroute::zmq_sub`); the
+//! sequence judgment is the core's [`StreamTracker`]. This module only turns accepted batches
+//! and resyncs into forwarder messages. The subscription calls its sink on one thread in stream
 //! order, so a resync notice is queued before the batch that starts the stream again.
 
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
+use kvroute::precise::{batch_digest, StreamTracker};
 use kvroute::unix_clock;
-use kvroute::zmq_sub::{Batch, Hooks, SubscriberEvent, Subscription};
-use kvroute::{EndpointSpec, Policy, Role, Router};
+use kvroute::zmq_sub::{Batch, EventSink, SubscriberEvent, Subscription};
+use kvroute::{StateError, StreamVerdict};
 
 use crate::{bump, log, EngineConfig, Msg, RelayError, Stats};
-
-/// The shadow router only tracks sequence numbers and decodes payloads: keep its index small.
-const SHADOW_POLICY: &str =
-    r#"{"index": {"mode": "precise", "precise": {"capacity_bytes_per_endpoint": 65536, "key_map_capacity": 1024}}}"#;
-
-/// The router that judges every engine's stream for the relay (one endpoint per engine). It sees
-/// the same batches as the filter, so its verdicts decide what is forwarded.
-pub(crate) fn shadow_router(engines: &[EngineConfig]) -> Result<Arc<Router>, RelayError> {
-    let policy = Policy::from_json(SHADOW_POLICY).map_err(|x| RelayError::Config(x.to_string()))?;
-    let shadow = Router::new(policy);
-    for e in engines {
-        shadow
-            .upsert_endpoint(EndpointSpec::new(e.endpoint.as_str(), Role::Both))
-            .map_err(|x| RelayError::Config(format!("engine {}: {x}", e.endpoint)))?;
-    }
-    Ok(Arc::new(shadow))
-}
 
 /// Hands messages to every forwarder's queue without blocking the subscription's thread.
 #[derive(Clone)]
@@ -57,47 +41,79 @@ fn topic_header(topic: Option<&[u8]>) -> Option<Arc<str>> {
     (!t.chars().any(char::is_control)).then(|| Arc::from(t))
 }
 
+/// One engine's stream, as the relay sees it: judged by a [`StreamTracker`] (the same rules as
+/// the filter's index, which sees the same batches), its accepted batches forwarded raw, as
+/// received (the subscription decoded each once, for the judgment; nothing decodes them again
+/// here).
+struct EngineSink {
+    endpoint: Arc<str>,
+    stream: Mutex<StreamTracker>,
+    fanout: Fanout,
+}
+
+impl EngineSink {
+    fn stream(&self) -> std::sync::MutexGuard<'_, StreamTracker> {
+        // Only this subscription's thread takes the lock; a panic there ends the subscription.
+        self.stream.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl EventSink for EngineSink {
+    fn deliver(&self, _endpoint: &str, b: &Batch<'_>, _now_ms: u64) -> Result<StreamVerdict, StateError> {
+        // A restart needs nothing here: the relay holds no state of the engine's, and the filter
+        // judges the same batch the same way (the batch is forwarded when the verdict is Reset).
+        let verdict = self.stream().judge(Some(b.seq), batch_digest(b.decoded)).verdict;
+        if verdict.accepted() {
+            bump(&self.fanout.stats.batches);
+            self.fanout.send(&Msg::Batch {
+                endpoint: self.endpoint.clone(),
+                topic: topic_header(b.topic),
+                seq: b.seq,
+                payload: Arc::from(b.payload),
+            });
+        }
+        Ok(verdict)
+    }
+
+    fn resync(&self, _endpoint: &str, now_ms: u64) -> Result<(), StateError> {
+        // No stale window: the relay routes nothing, it only has to take the next batch as a
+        // fresh start, and the filter must drop what it holds for the engine.
+        self.stream().resync(now_ms, 0);
+        self.fanout.send(&Msg::Resync { endpoint: self.endpoint.clone() });
+        Ok(())
+    }
+
+    fn notice(&self, _endpoint: &str, event: &SubscriberEvent) {
+        let ep = &self.endpoint;
+        match event {
+            SubscriberEvent::Resync { expected, got } => {
+                log(format_args!("{ep}: batches {expected}..{got} lost: resyncing"));
+            }
+            SubscriberEvent::ReplayFailed { expected, reason } => {
+                log(format_args!("{ep}: replay from {expected} failed: {reason}"));
+            }
+            SubscriberEvent::Decode { seq, error } => {
+                log(format_args!("{ep}: batch {seq} does not decode, not forwarded: {error}"));
+            }
+            SubscriberEvent::Router { seq, error } => log(format_args!("{ep}: batch {seq}: {error}")),
+            _ => {}
+        }
+    }
+}
+
 /// Subscribe to engine `e` (sockets are bound or connected before this returns) and forward
-/// what the shadow router accepts to `outs`.
+/// what its stream accepts to `outs`.
 pub(crate) fn subscribe(
-    shadow: &Arc<Router>,
     e: &EngineConfig,
     outs: Vec<SyncSender<Msg>>,
     stats: &Arc<Stats>,
 ) -> Result<Subscription, RelayError> {
-    let endpoint: Arc<str> = Arc::from(e.endpoint.as_str());
-    let fanout = Fanout { outs, stats: stats.clone() };
-
-    let (ep, to) = (endpoint.clone(), fanout.clone());
-    let observer = move |event: &SubscriberEvent| match event {
-        // Ordered before the batch that restarts the stream (same thread, stream order).
-        SubscriberEvent::Resync { expected, got } => {
-            log(format_args!("{ep}: batches {expected}..{got} lost: resyncing"));
-            to.send(&Msg::Resync { endpoint: ep.clone() });
-        }
-        SubscriberEvent::ReplayFailed { expected, reason } => {
-            log(format_args!("{ep}: replay from {expected} failed: {reason}"));
-        }
-        SubscriberEvent::Decode { seq, error } => {
-            log(format_args!("{ep}: batch {seq} does not decode, not forwarded: {error}"));
-        }
-        SubscriberEvent::Router { seq, error } => log(format_args!("{ep}: batch {seq}: {error}")),
-        _ => {}
+    let sink = EngineSink {
+        endpoint: Arc::from(e.endpoint.as_str()),
+        stream: Mutex::new(StreamTracker::new()),
+        fanout: Fanout { outs, stats: stats.clone() },
     };
-
-    let ep = endpoint;
-    let sink = move |b: &Batch<'_>| {
-        bump(&fanout.stats.batches);
-        fanout.send(&Msg::Batch {
-            endpoint: ep.clone(),
-            topic: topic_header(b.topic),
-            seq: b.seq,
-            payload: Arc::from(b.payload),
-        });
-    };
-
-    let hooks = Hooks::new().observer(Arc::new(observer)).batch_sink(Arc::new(sink));
-    Subscription::start_with_hooks(shadow.clone(), e.endpoint.as_str(), e.subscriber.clone(), unix_clock(), hooks)
+    Subscription::start(Arc::new(sink), e.endpoint.as_str(), e.subscriber.clone(), unix_clock())
         .map_err(|error| RelayError::Subscribe { engine: e.endpoint.clone(), error })
 }
 

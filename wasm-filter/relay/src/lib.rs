@@ -9,12 +9,14 @@
 //! timestamp and body; the secret itself is never sent). See `wasm-filter/README.md` (Events) and the protocol in
 //! [`kvroute_filter::ingest`].
 //!
-//! Receiving, ordering and gap handling are the core's ZMQ subscriber
-//! ([`kvroute::zmq_sub::Subscription`], one per engine) feeding a *shadow* [`kvroute::Router`]
-//! that sees the same batches as the filter: its batch sink hands the relay every batch the
-//! shadow router accepted (applied or reset; replayed batches included, in sequence order), and
-//! its observer reports resyncs, which the relay forwards as resync notices ahead of the batch
-//! that starts the stream again.
+//! Receiving, decoding and gap handling are the core's ZMQ subscriber
+//! ([`kvroute::zmq_sub::Subscription`], one per engine). It delivers each batch, decoded once,
+//! to the relay's [`kvroute::zmq_sub::EventSink`], which judges the engine's stream with the
+//! core's [`kvroute::precise::StreamTracker`] (the rules of the filter's index, which sees the
+//! same batches) and forwards every batch it accepts (applied or reset; replayed batches
+//! included, in sequence order) as received. A resync of the subscription reaches the sink
+//! before the batch that starts the stream again: the relay forwards it as a resync notice
+//! ahead of that batch.
 //!
 //! Per target, one forwarding thread POSTs in order; when the filter answers 409 (it missed
 //! batches: a POST was lost, or its Envoy restarted mid-stream) the relay POSTs a resync notice
@@ -54,6 +56,8 @@ pub struct StatsSnapshot {
     pub received: u64,
     /// Batches handed to the forwarders (live and replayed).
     pub batches: u64,
+    /// Payloads decoded (for the sequence judgment), once per batch received, live or replayed.
+    pub decoded: u64,
     /// Duplicate batches dropped.
     pub duplicates: u64,
     /// Gaps detected.
@@ -91,6 +95,7 @@ impl StatsSnapshot {
 
     fn add_subscriber(&mut self, s: &SubscriberStats) {
         self.received += s.messages;
+        self.decoded += s.decoded;
         self.duplicates += s.duplicates;
         self.gaps += s.gaps;
         self.replayed += s.replayed_batches;
@@ -189,9 +194,8 @@ impl Relay {
             let thread = std::thread::Builder::new().name(name).spawn(move || f.run(&rx)).map_err(RelayError::Spawn)?;
             relay.threads.push(thread);
         }
-        let shadow = engine::shadow_router(&cfg.engines)?;
         for e in &cfg.engines {
-            let sub = engine::subscribe(&shadow, e, senders.clone(), &relay.stats)?;
+            let sub = engine::subscribe(e, senders.clone(), &relay.stats)?;
             relay.subscriptions.push(sub);
         }
         Ok(relay)

@@ -196,6 +196,9 @@ fn batches_are_posted_in_order_with_the_protocol_headers_and_duplicates_dropped(
     assert_eq!(p.body, batch(2.0));
     let stats = relay.stop();
     assert_eq!((stats.batches, stats.duplicates, stats.posted), (4, 1, 4));
+    // Each batch received was decoded once (for the judgment), the duplicate included; nothing
+    // decodes a forwarded batch again.
+    assert_eq!((stats.received, stats.decoded), (5, 5));
 }
 
 #[test]
@@ -222,6 +225,9 @@ fn a_gap_is_replayed_from_the_publisher() {
     }
     let stats = relay.stop();
     assert_eq!((stats.gaps, stats.replayed, stats.resyncs, stats.batches), (1, 2, 0, 5));
+    // Decoded once each: the 3 live batches (the held one, 4, not again after the replay) and
+    // the 3 replayed (1, the continuity proof, then 2 and 3).
+    assert_eq!((stats.received, stats.decoded), (3, 6));
 }
 
 #[test]
@@ -239,6 +245,33 @@ fn an_unrecoverable_gap_posts_a_resync_notice_before_the_next_batch() {
     assert_signed(&got[2], "resync", None);
     assert!(got[2].body.is_empty());
     assert_eq!(relay.stop().resyncs, 1);
+}
+
+#[test]
+fn a_restarted_engine_is_forwarded_from_its_first_batch() {
+    let ctx = zmq::Context::new();
+    let publisher = Publisher::new(&ctx);
+    let (url, posts) = server(|_| 200);
+    let relay = Relay::start(&config(&url, SubscriberConfig::new(publisher.endpoint.as_str())), SECRET).unwrap();
+    publisher.wait_subscriber();
+    for seq in 0..3 {
+        publisher.send(seq, &batch(1.0 + seq as f64));
+    }
+    // A new process numbering from 0 (other content than the batch 0 forwarded): forwarded,
+    // for the filter to judge as the restart it is.
+    publisher.send(0, &batch(10.0));
+    publisher.send(1, &batch(11.0));
+    // Another restart, first seen at seq 1: its batch 0 was missed and there is no replay
+    // socket, so the stream is resynchronized before the batch is forwarded.
+    publisher.send(1, &batch(20.0));
+    let got = wait_for(&posts, 7);
+    assert_eq!(
+        got.iter().map(Post::label).collect::<Vec<_>>(),
+        ["batch:0", "batch:1", "batch:2", "batch:0", "batch:1", "resync", "batch:1"]
+    );
+    assert_eq!((got[3].body.as_slice(), got[6].body.as_slice()), (batch(10.0).as_slice(), batch(20.0).as_slice()));
+    let stats = relay.stop();
+    assert_eq!((stats.batches, stats.duplicates, stats.gaps, stats.resyncs), (6, 0, 1, 1));
 }
 
 #[test]
