@@ -60,8 +60,8 @@ impl Subscription {
         self.running.lock().unwrap_or_else(PoisonError::into_inner).as_ref().is_some_and(|s| s.is_running())
     }
 
-    /// Counters (a dict: `messages`, `batches`, `applied`, `duplicates`, `resets`, `gaps`,
-    /// `replays`, `replayed_batches`, `replay_failures`, `resyncs`, `decode_errors`,
+    /// Counters (a dict: `messages`, `batches`, `decoded`, `applied`, `duplicates`, `resets`,
+    /// `gaps`, `replays`, `replayed_batches`, `replay_failures`, `resyncs`, `decode_errors`,
     /// `malformed`, `router_errors`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let s = py.detach(|| self.snapshot());
