@@ -8,8 +8,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute::index::{MatchScratch, MatchWeights, PrefixMatch};
 use kvroute::{ApproxIndex, RequestKeys};
+use kvroute::{MatchScratch, MatchWeights, PrefixMatch};
 use kvroute_benches::indexload::{IndexWorkload, WorkloadShape};
 
 fn bench_index(c: &mut Criterion) {
@@ -31,7 +31,7 @@ fn bench_index(c: &mut Criterion) {
         let mut keys = RequestKeys { block_tokens: 64, ..Default::default() };
         keys.seq_starts.push(0);
         keys.keys.extend_from_slice(&probe);
-        let weights = MatchWeights::new(&kvroute::config::TierWeights::default());
+        let weights = MatchWeights::new(&kvroute::TierWeights::default());
         let mut out = PrefixMatch::default();
         let mut scratch = MatchScratch::default();
         ix.match_blocks(&keys, &weights, &mut out, &mut scratch);

@@ -54,10 +54,10 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock, TokenTree};
-use kvroute::config::TierWeights;
-use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
-use kvroute::index::{ExactBucket, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
+use kvroute::TierWeights;
 use kvroute::{ApproxIndex, EndpointSpec, RequestKeys, Role, Router};
+use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute::{ExactBucket, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use kvroute_benches::indexload::WorkloadShape;
 use kvroute_benches::peerload::{PeerWorkload, StoreEvent};
 use kvroute_benches::timing::{median, Samples};

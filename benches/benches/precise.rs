@@ -28,9 +28,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use kvroute::engine_hash::{BlockExtras, EngineHashSpec, EngineHasher, HashAlgo};
-use kvroute::events::{decode_batch, BlockStored, EventBatch, KvEvent, Medium};
-use kvroute::request::Prompt;
+use kvroute::Prompt;
+use kvroute::{decode_batch, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute::{BlockExtras, EngineHashSpec, EngineHasher, HashAlgo};
 use kvroute::{DualKeyHashing, EndpointSpec, MetricsSnapshot, RequestKeys, Role, RouteRequest, Router};
 use kvroute_benches::timing::Samples;
 

@@ -17,7 +17,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvroute::tokenize::{ChatMessage, PrefixCacheConfig, Tokenizer};
+use kvroute::{ChatMessage, PrefixCacheConfig, Tokenizer};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizer");
 const PREFIX_TOKENS: usize = 7_600;
@@ -103,7 +103,7 @@ fn bench_tokenize(c: &mut Criterion) {
     assert_eq!(cached.encode_chat(&msgs, true).unwrap(), full.encode_chat(&msgs, true).unwrap());
     let after = cached.prefix_cache_stats().unwrap();
     let fresh = after.miss_tokens - before.miss_tokens;
-    let text = full.render_chat(&msgs, &kvroute::tokenize::ChatOptions::new(true)).unwrap();
+    let text = full.render_chat(&msgs, &kvroute::ChatOptions::new(true)).unwrap();
     eprintln!(
         "conversation: {} messages, {} tokens, {} bytes rendered; turn N tokenizes {} new tokens ({:.1}% shared prefix)",
         msgs.len(),
@@ -114,7 +114,7 @@ fn bench_tokenize(c: &mut Criterion) {
     );
 
     let min = Duration::from_secs(2);
-    let t_render = time(|_| drop(black_box(full.render_chat(&msgs, &kvroute::tokenize::ChatOptions::new(true)))), min);
+    let t_render = time(|_| drop(black_box(full.render_chat(&msgs, &kvroute::ChatOptions::new(true)))), min);
     let mut m = msgs.clone();
     let t_full = time(
         |i| {

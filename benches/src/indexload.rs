@@ -5,8 +5,8 @@
 //! system prompt with their own blocks and live on one endpoint (session affinity), a few on
 //! two. Keys are chained like real block keys (each depends on its parent).
 
-use kvroute::index::{BucketKind, PrefixIndex};
 use kvroute::BlockKey;
+use kvroute::{BucketKind, PrefixIndex};
 
 /// Sizes of a workload.
 #[derive(Debug, Clone, Copy)]

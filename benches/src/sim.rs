@@ -27,7 +27,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::time::Instant;
 
-use kvroute::config::RequestConfig;
+use kvroute::RequestConfig;
 use kvroute::{MetricsSnapshot, Policy, RouteRequest};
 use serde::Serialize;
 

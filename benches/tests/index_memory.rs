@@ -2,8 +2,8 @@
 //! workload the index bench uses. Prints the figure; bounds it so a regression fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
-use kvroute::index::{BucketKind, ExactBucket, PrefixIndex};
 use kvroute::{ApproxIndex, IndexStats};
+use kvroute::{BucketKind, ExactBucket, PrefixIndex};
 use kvroute_benches::indexload::{IndexWorkload, WorkloadShape};
 
 fn measure(label: &str, shape: &WorkloadShape, seed: u64) -> (IndexStats, f64) {

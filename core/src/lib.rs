@@ -44,51 +44,120 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! See `Router` for state handling and hot reload, `config` for every policy knob, and
-//! `decision` for the rules.
+//! # The crate's map
+//!
+//! Every public item is re-exported at the crate root (one path each); the modules are private.
+//!
+//! | module | job | main items |
+//! |---|---|---|
+//! | `router/` | the state machine and the decision, in phases: keys → features → filters → pick → admission → mode → book-keeping → decision | [`RouterCore`], [`Router`] (its thread-safe wrapper), [`ActivePolicy`], [`RouterStats`] |
+//! | `request/` | requests: types, header reader, JSON body and token-id parser, chat messages, media, chat rendering | [`RouteRequest`], [`Prompt`], [`ChatMessage`] |
+//! | `decision` | the mode rules, the judgment rubric, the transfer-tax model, the outcome | [`Decision`], [`Outcome`], [`Mode`], [`Rule`], [`transfer_estimate`] |
+//! | `score`, `admission` | per-endpoint features, filters and pickers; pool saturation and shedding | [`EndpointScore`], [`FilterReason`] |
+//! | `approx/` | the approximate pipeline: block keys over prompt bytes, fed by the router's decisions | [`ApproxHashing`], [`RequestKeys`], [`ApproxIndex`] |
+//! | `precise/` | the precise pipeline: KV events (types, msgpack decoder), vLLM's block hasher (pickle, CBOR), request keys, the event-fed index, stream judgment, speculation, the ZMQ subscriber (feature `zmq`) and its sinks | [`decode_batch`], [`EngineHasher`], [`PreciseKeys`], [`KvIndex`], [`StreamTracker`] |
+//! | `index/` | the prefix store both indexes use (open addressing, generational LRU, sweeper) | [`PrefixIndex`], [`IndexStats`] |
+//! | `tokenize/` | feature `tokenizer`: Hugging Face tokenizer, chat templates, Python-compatible JSON, strftime, segmenter, prefix cache | `Tokenizer`, `ChatTemplate` |
+//! | `config`, `endpoints`, `metrics`, `effect`, `error` | the policy document, the endpoint table, Prometheus parsing and exposition, replication effects, typed errors | [`Policy`], [`EndpointSpec`], [`MetricsSnapshot`], [`parse_prometheus`], [`RoutingEffect`] |
+//! | `clock` | feature `wall-clock`: the one reading of the system clock, for bindings and the subscriber | `unix_time_ms` |
+//!
+//! No clock, thread or socket outside `clock` and the subscriber: `core/clippy.toml` forbids them
+//! and the test command checks it.
 
-pub mod admission;
-pub mod approx;
+mod admission;
+mod approx;
 #[cfg(feature = "wall-clock")]
 mod clock;
-pub mod config;
-pub mod decision;
-pub mod effect;
-pub mod endpoints;
-pub mod error;
-pub mod index;
-pub mod metrics;
-pub mod precise;
-pub mod request;
-pub mod router;
-pub mod score;
+mod config;
+mod decision;
+mod effect;
+mod endpoints;
+mod error;
+mod index;
+mod metrics;
+mod precise;
+mod request;
+mod router;
+mod score;
 #[cfg(feature = "tokenizer")]
-pub mod tokenize;
+mod tokenize;
 
-pub use approx as hashing;
-#[cfg(feature = "wall-clock")]
-pub use clock::{unix_clock, unix_time_ms, Clock};
-#[cfg(feature = "zmq")]
-pub use precise::zmq_sub;
-pub use precise::{engine_hash, events};
+// One path per item: every public item is re-exported here, and only here.
 
-pub use approx::{ApproxHashing, BlockKey, RequestKeys};
-pub use config::{Policy, PolicyConfig};
-pub use decision::{Decision, Judgment, JudgmentSource, Mode, Outcome, Rule, Shed, TransferEstimate};
-pub use effect::{EffectDecodeError, RoutingEffect};
-pub use endpoints::{EndpointSpec, MetricsSnapshot, Role};
-pub use engine_hash::{
-    BlockDigest, BlockExtras, EngineHashError, EngineHashSpec, EngineHasher, ExtraKeysForm, HashAlgo, LoraAdapter,
-    NoneHashSeed,
+// The router.
+pub use router::{ActivePolicy, EndpointInfo, Router, RouterCore, RouterCounters, RouterStats};
+
+// Requests.
+pub use request::{
+    Api, ChatInput, ChatMedia, ChatMessage, ChatMessageRef, ChatMessages, ChatMessagesIter, Horizon, JudgmentHint,
+    KeyLimit, MediaKey, Prompt, RawJson, RouteRequest, MEDIA_PART_TOKENS,
 };
+
+// Decisions, scores and replication.
+pub use decision::{
+    judge, transfer_estimate, Decision, Judgment, JudgmentSource, Mode, Outcome, Rule, Shed, TransferEstimate,
+    HEADER_DESTINATION, HEADER_MODE, HEADER_PREFILLER, HEADER_SCORE, HEADER_SHED_REASON,
+};
+pub use effect::{EffectDecodeError, RoutingEffect};
+pub use score::{EndpointScore, FilterReason};
+
+// Endpoints and their metrics.
+pub use endpoints::{validate_endpoint_id, EndpointSpec, MetricsSnapshot, Role};
+pub use metrics::{parse_prometheus, MetricsError};
+
+// Policy configuration.
+pub use config::{
+    AdmissionConfig, FilterConfig, IndexConfig, IndexMode, KeyScheme, LimitsConfig, LoraAffinity, MetricsConfig,
+    ModelShape, ModesConfig, NetworkConfig, PickerConfig, Policy, PolicyConfig, PreciseConfig, RequestConfig,
+    ScoreWeights, ScoringConfig, TierWeights, TransferConfig, DEFAULT_ADMISSION_KV_THRESHOLD,
+    DEFAULT_ADMISSION_QUEUE_THRESHOLD, DEFAULT_BLOCK_TOKENS, DEFAULT_BYPASS_PREFIX_HIT, DEFAULT_BYPASS_PROBABILITY,
+    DEFAULT_BYTES_PER_TOKEN, DEFAULT_COLOCATED_INPUT_MAX_TOKENS, DEFAULT_COLOCATED_MAX_RISK, DEFAULT_DECODE_KV_CEILING,
+    DEFAULT_INDEX_CAPACITY_BYTES, DEFAULT_LONG_OUTPUT_MIN_TOKENS, DEFAULT_MAX_BODY_BYTES, DEFAULT_METRICS_STALENESS_MS,
+    DEFAULT_RISK_TOKEN_THRESHOLDS, DEFAULT_SHORT_OUTPUT_MAX_TOKENS, DEFAULT_SPECULATIVE_TTL_MS,
+    DEFAULT_TIER_WEIGHT_CPU, DEFAULT_TIER_WEIGHT_GPU, DEFAULT_TIER_WEIGHT_STORAGE, MAX_ENDPOINTS_LIMIT,
+    NOMINAL_BYTES_PER_MEMBERSHIP,
+};
+
+// Errors.
 pub use error::{ConfigError, EventIngestError, RequestError, RouteError, StateError};
-pub use events::{
+
+// The approximate pipeline and the prefix store both indexes use.
+pub use approx::{ApproxHashing, BlockKey, RequestKeys};
+pub use index::{
+    ApproxIndex, BucketKind, ExactBucket, FpBucket, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex,
+    PrefixMatch, GENERATIONS, MAX_SLOTS,
+};
+
+// The precise pipeline: events, engine hashing, keys, the index, stream judgment.
+pub use precise::engine_hash::{
+    encode_cbor, encode_pickle, event_key, BlockDigest, BlockExtras, EngineHashError, EngineHashSpec, EngineHasher,
+    ExtraKeysForm, ExtraValue, HashAlgo, LoraAdapter, NoneHashSeed, DEFAULT_BLOCK_SIZE, DEFAULT_NONE_HASH_SEED,
+};
+pub use precise::events::{
     decode_batch, BlockRemoved, BlockStored, EngineBlockHash, ErrorSite, EventBatch, EventError, KvEvent, Medium,
 };
-pub use index::{ApproxIndex, IndexStats};
-pub use metrics::{parse_prometheus, MetricsError};
-pub use precise::DualKeyHashing;
-pub use precise::{ApplyOutcome, KvIndex, PreciseKeys, PreciseStats, StreamInfo, StreamVerdict};
-pub use request::{Api, ChatInput, ChatMessage, Horizon, JudgmentHint, Prompt, RawJson, RouteRequest};
-pub use router::{ActivePolicy, EndpointInfo, Router, RouterCore, RouterCounters, RouterStats};
-pub use score::{EndpointScore, FilterReason};
+pub use precise::{
+    batch_digest, ApplyOutcome, DualKeyHashing, KvIndex, PreciseKeys, PreciseStats, StreamInfo, StreamJudgment,
+    StreamTracker, StreamVerdict, MAX_PUBLISHER_TS_S, RECENT_BATCHES,
+};
+
+// Feature `zmq`: the KV-event subscriber and its sinks.
+#[cfg(feature = "zmq")]
+pub use precise::zmq_sub::{
+    Observer, ReplayFailure, SocketMode, SubscribeError, SubscriberConfig, SubscriberEvent, SubscriberStats,
+    Subscription, DEFAULT_POLL_INTERVAL_MS, DEFAULT_REPLAY_TIMEOUT_MS, END_SEQ, MAX_POLL_INTERVAL_MS,
+    MAX_REPLAY_TIMEOUT_MS,
+};
+#[cfg(feature = "zmq")]
+pub use precise::{Batch, BatchOrigin, EventSink};
+
+// Feature `tokenizer`: exact token ids.
+#[cfg(feature = "tokenizer")]
+pub use tokenize::{
+    ChatOptions, ChatTemplate, PrefixCacheConfig, PrefixCacheStats, TokenizeError, Tokenizer,
+    DEFAULT_MAX_SEGMENT_BYTES, DEFAULT_PREFIX_CACHE_BYTES, SEGMENT_OVERHEAD_BYTES,
+};
+
+// Feature `wall-clock` (implied by `zmq`): the system clock for the callers that need one.
+#[cfg(feature = "wall-clock")]
+pub use clock::{unix_clock, unix_time_ms, Clock};

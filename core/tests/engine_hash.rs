@@ -9,7 +9,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
 
-use kvroute::engine_hash::{
+use kvroute::{
     encode_cbor, encode_pickle, event_key, BlockDigest, BlockExtras, EngineHashError, EngineHashSpec, EngineHasher,
     ExtraKeysForm, ExtraValue, HashAlgo, LoraAdapter, NoneHashSeed,
 };

@@ -9,8 +9,8 @@
 
 use std::path::PathBuf;
 
-use kvroute::engine_hash::{EngineHasher, ExtraKeysForm, ExtraValue, HashAlgo, NoneHashSeed};
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router};
+use kvroute::{EngineHasher, ExtraKeysForm, ExtraValue, HashAlgo, NoneHashSeed};
 
 const A: &str = "10.0.0.1:8000";
 const B: &str = "10.0.0.2:8000";
@@ -295,8 +295,8 @@ fn full_report_mode_gpu_reannouncement_is_idempotent() {
         r.apply_events(A, &fx, Some(0), 1).unwrap();
         r.apply_events(A, &fx, Some(1), 2).unwrap();
         assert_eq!(memberships(&r), 2, "{policy}");
-        let batch = kvroute::events::decode_batch(&fx).unwrap();
-        let kvroute::events::KvEvent::BlockStored(s) = &batch.events[0] else { panic!() };
+        let batch = kvroute::decode_batch(&fx).unwrap();
+        let kvroute::KvEvent::BlockStored(s) = &batch.events[0] else { panic!() };
         let last = s.block_hashes[1];
         r.apply_events(A, &payload(vec![removed(&[last], "GPU")]), Some(2), 3).unwrap();
         assert_eq!(memberships(&r), 1, "{policy}: one removal drops a re-announced GPU block");
@@ -353,7 +353,7 @@ fn engine_keys_follow_a_lookahead_engine_when_configured() {
         .with_lookahead(2);
     let ids: Vec<u32> = (0..66).collect();
     let (mut scratch, mut keys) = (Vec::new(), Vec::new());
-    h.block_keys(&ids, &kvroute::engine_hash::BlockExtras::default(), &mut scratch, &mut keys).unwrap();
+    h.block_keys(&ids, &kvroute::BlockExtras::default(), &mut scratch, &mut keys).unwrap();
     assert_eq!(keys.len(), 4);
     let la = V::Arr((0..4u64).map(|b| uints([16 * (b + 1), 16 * (b + 1) + 1])).collect());
     let ev = payload(vec![stored(&keys, None, 0..64, "GPU", vec![("lookahead_token_ids", la)])]);

@@ -8,7 +8,7 @@
 // The only unsafe code: a pass-through global allocator that records the largest allocation.
 #![allow(unsafe_code)]
 
-use kvroute::events::{decode_batch, BlockRemoved, BlockStored, ErrorSite, EventBatch, EventError, KvEvent, Medium};
+use kvroute::{decode_batch, BlockRemoved, BlockStored, ErrorSite, EventBatch, EventError, KvEvent, Medium};
 use proptest::prelude::*;
 use serde_json::Value;
 use std::alloc::{GlobalAlloc, Layout, System};

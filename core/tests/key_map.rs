@@ -2,7 +2,7 @@
 //! evicts only its own entries, never another endpoint's continuations or removals.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
-use kvroute::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router};
 
 const A: &str = "10.0.0.1:8000";

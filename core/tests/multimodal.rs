@@ -2,7 +2,7 @@
 //! content part the router cannot key, and what lies past it still counts against the hit.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use kvroute::request::MEDIA_PART_TOKENS;
+use kvroute::MEDIA_PART_TOKENS;
 use kvroute::{ApproxHashing, EndpointSpec, MetricsSnapshot, Mode, Policy, RequestKeys, Role, RouteRequest, Router};
 use serde_json::{json, Value};
 
@@ -121,7 +121,7 @@ fn text_typed_parts_are_keyed_like_string_content() {
 /// prompts are keyed in full, the embeddings count against the hit, on both indexes.
 #[test]
 fn prompt_embeds_are_never_a_full_hit() {
-    use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
+    use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
     let ids: Vec<u32> = (0..1024).collect();
     let plain = json!({"model": "m", "prompt": ids, "max_tokens": 300}).to_string();
     let embeds = json!({"model": "m", "prompt": ids, "prompt_embeds": ["AAAA"], "max_tokens": 300}).to_string();

@@ -2,8 +2,8 @@
 //! tiers, and stream health seen through the router.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use kvroute::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
-use kvroute::precise::StreamVerdict;
+use kvroute::StreamVerdict;
+use kvroute::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute::{EndpointSpec, MetricsSnapshot, Mode, Policy, Role, Router, Rule};
 
 const A: &str = "10.0.0.1:8000";

@@ -6,8 +6,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
-use kvroute::tokenize::{ChatTemplate, PrefixCacheConfig, Tokenizer};
+use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute::{ChatTemplate, PrefixCacheConfig, Tokenizer};
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, RouteRequest, Router};
 
 const A: &str = "10.0.0.1:8000";

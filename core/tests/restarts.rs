@@ -10,8 +10,8 @@
 //! All time is virtual.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
-use kvroute::precise::StreamVerdict;
+use kvroute::StreamVerdict;
+use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router};
 
 const A: &str = "10.0.0.1:8000";

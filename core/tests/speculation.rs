@@ -3,7 +3,7 @@
 //! that steps back) and stay within the index's byte budget.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
-use kvroute::events::EventBatch;
+use kvroute::EventBatch;
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router, RouterStats};
 
 const A: &str = "10.0.0.1:8000";

@@ -2,7 +2,7 @@
 //! tenant's state steer or match another tenant's requests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Role, Router};
 
 const A: &str = "10.0.0.1:8000";

@@ -87,7 +87,7 @@ fn an_empty_cache_salt_is_no_salt_in_approximate_keys() {
 /// request without one (or the other way round) are the same chain.
 #[test]
 fn an_empty_cache_salt_is_no_salt_in_dual_keys() {
-    use kvroute::events::{BlockStored, EventBatch, KvEvent, Medium};
+    use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
     let stored = |salt: Option<&str>| {
         KvEvent::BlockStored(BlockStored {
             block_hashes: (0..8).map(|i| 900 + i).collect(),

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use kvroute::tokenize::{ChatMessage, ChatOptions, ChatTemplate, PrefixCacheConfig, RawJson, TokenizeError, Tokenizer};
+use kvroute::{ChatMessage, ChatOptions, ChatTemplate, PrefixCacheConfig, RawJson, TokenizeError, Tokenizer};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvroute::precise::{batch_digest, StreamTracker};
-use kvroute::zmq_sub::{
+use kvroute::{batch_digest, StreamTracker};
+use kvroute::{
     Batch, BatchOrigin, Clock, EventSink, ReplayFailure, SocketMode, SubscribeError, SubscriberConfig, SubscriberEvent,
     SubscriberStats, Subscription, END_SEQ,
 };

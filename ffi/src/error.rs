@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kvroute::events::EventError;
+use kvroute::EventError;
 use kvroute::{ConfigError, EventIngestError, MetricsError, RequestError, RouteError, StateError};
 
 use crate::ptr;
@@ -208,9 +208,9 @@ impl From<kvroute::EffectDecodeError> for Error {
 }
 
 #[cfg(feature = "zmq")]
-impl From<kvroute::zmq_sub::SubscribeError> for Error {
-    fn from(e: kvroute::zmq_sub::SubscribeError) -> Self {
-        use kvroute::zmq_sub::SubscribeError as E;
+impl From<kvroute::SubscribeError> for Error {
+    fn from(e: kvroute::SubscribeError) -> Self {
+        use kvroute::SubscribeError as E;
         match e {
             // The router endpoint id is invalid: the same error as registering it.
             E::EndpointId(s) => s.into(),
@@ -223,8 +223,8 @@ impl From<kvroute::zmq_sub::SubscribeError> for Error {
 }
 
 #[cfg(feature = "tokenizer")]
-impl From<kvroute::tokenize::TokenizeError> for Error {
-    fn from(e: kvroute::tokenize::TokenizeError) -> Self {
+impl From<kvroute::TokenizeError> for Error {
+    fn from(e: kvroute::TokenizeError) -> Self {
         Error::new(KVROUTE_RESULT_TOKENIZER_ERROR, e.to_string())
     }
 }

@@ -878,7 +878,7 @@ pub unsafe extern "C" fn kvroute_router_set_tokenizer(
 
 #[cfg(feature = "tokenizer")]
 fn set_tokenizer(r: &Router, path: Option<&str>) -> Result<()> {
-    use kvroute::tokenize::{PrefixCacheConfig, Tokenizer};
+    use kvroute::{PrefixCacheConfig, Tokenizer};
     let Some(path) = path.map(std::path::Path::new) else {
         r.set_tokenizer(None);
         return Ok(());

@@ -75,7 +75,7 @@ pub struct kvroute_subscriber_stats {
 mod imp {
     use std::sync::{Mutex, PoisonError};
 
-    use kvroute::zmq_sub::{SocketMode, SubscriberConfig, SubscriberStats, Subscription};
+    use kvroute::{SocketMode, SubscriberConfig, SubscriberStats, Subscription};
 
     use super::{kvroute_subscriber_config, kvroute_subscriber_stats};
     use crate::error::{Error, Result, KVROUTE_RESULT_INVALID_ARGUMENT};

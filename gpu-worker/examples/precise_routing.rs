@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use kvroute::zmq_sub::{unix_clock, unix_time_ms, SubscriberConfig, Subscription};
+use kvroute::{unix_clock, unix_time_ms, SubscriberConfig, Subscription};
 use kvroute::{EndpointSpec, Policy, Role, Router};
 use kvroute_worker::{spawn, WorkerConfig};
 use serde_json::{json, Value};

@@ -199,14 +199,14 @@ impl ModelConfig {
     }
 
     /// KV bytes per token in the pool (f32): `2 · L · H_kv · d_h · 4`, the same formula as
-    /// `kvroute::config::ModelShape::kv_bytes_per_token` with `bytes_per_element = 4`.
+    /// `kvroute::ModelShape::kv_bytes_per_token` with `bytes_per_element = 4`.
     pub fn kv_bytes_per_token(&self) -> u64 {
         2 * u64::from(self.layers) * u64::from(self.kv_heads) * u64::from(self.head_dim) * 4
     }
 
     /// The matching model shape for kvroute's transfer-tax model (`transfer.model` in a policy).
-    pub fn shape(&self) -> kvroute::config::ModelShape {
-        kvroute::config::ModelShape {
+    pub fn shape(&self) -> kvroute::ModelShape {
+        kvroute::ModelShape {
             layers: self.layers,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,

@@ -1,5 +1,5 @@
 //! `kvroute-worker transfer-check`: measure prefill→decode KV transfers on loopback and compare
-//! them with kvroute's transfer-tax model ([`kvroute::decision::transfer_estimate`], the function
+//! them with kvroute's transfer-tax model ([`kvroute::transfer_estimate`], the function
 //! behind every decision's `TransferEstimate`).
 //!
 //! 1. The network parameters of the model are measured independently of the workers: `B_net`
@@ -22,7 +22,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use kvroute::config::{NetworkConfig, TransferConfig};
+use kvroute::{NetworkConfig, TransferConfig};
 use serde_json::{json, Value};
 
 use crate::{spawn, ModelConfig, Role, TransferMode, WorkerConfig, WorkerHandle, PREFILLER_HEADER};
@@ -287,8 +287,8 @@ pub fn run(args: TransferCheckArgs) -> anyhow::Result<Vec<SizeResult>> {
                 }
             }
         }
-        let est_pull = kvroute::decision::transfer_estimate(&pull_cfg, r.tokens, 0, 0, 0);
-        let est_push = kvroute::decision::transfer_estimate(&push_cfg, r.tokens, 0, 0, 0);
+        let est_pull = kvroute::transfer_estimate(&pull_cfg, r.tokens, 0, 0, 0);
+        let est_push = kvroute::transfer_estimate(&push_cfg, r.tokens, 0, 0, 0);
         r.predicted_kv_bytes = est_pull.kv_bytes;
         r.prefill_ms = median(&mut pre);
         r.pull_ms = median(&mut pl);

@@ -9,8 +9,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use kvroute::zmq_sub::{unix_clock, SubscriberConfig, Subscription};
 use kvroute::{decode_batch, EndpointSpec, KvEvent, Policy, Role, Router};
+use kvroute::{unix_clock, SubscriberConfig, Subscription};
 use kvroute_worker::{spawn, EventEncoding, KvEventsConfig, WorkerConfig, WorkerHandle};
 
 /// A raw SUB socket on the worker's stream, filtered by `topic`.

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyModule};
 
-use kvroute::events::EventError;
+use kvroute::EventError;
 use kvroute::{ConfigError, EventIngestError, RequestError, RouteError, StateError};
 
 static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
@@ -154,8 +154,8 @@ pub(crate) fn event_ingest(py: Python<'_>, e: &EventIngestError) -> PyErr {
 }
 
 /// `SubscribeError`.
-pub(crate) fn subscribe(py: Python<'_>, e: &kvroute::zmq_sub::SubscribeError) -> PyErr {
-    use kvroute::zmq_sub::SubscribeError as E;
+pub(crate) fn subscribe(py: Python<'_>, e: &kvroute::SubscribeError) -> PyErr {
+    use kvroute::SubscribeError as E;
     let attrs = match e {
         E::InvalidConfig { field, reason } => {
             Attrs::new(py, "invalid_config").and_then(|a| a.set("field", *field)).and_then(|a| a.set("reason", reason))
@@ -174,8 +174,8 @@ pub(crate) fn subscribe(py: Python<'_>, e: &kvroute::zmq_sub::SubscribeError) ->
 }
 
 /// `TokenizerError`.
-pub(crate) fn tokenize(py: Python<'_>, e: &kvroute::tokenize::TokenizeError) -> PyErr {
-    use kvroute::tokenize::TokenizeError as E;
+pub(crate) fn tokenize(py: Python<'_>, e: &kvroute::TokenizeError) -> PyErr {
+    use kvroute::TokenizeError as E;
     let attrs = match e {
         E::Io { path, message } => {
             Attrs::new(py, "io").and_then(|a| a.set("path", path)).and_then(|a| a.set("reason", message))

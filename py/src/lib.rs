@@ -27,7 +27,7 @@ mod subscription;
 use pyo3::prelude::*;
 
 /// Milliseconds since the UNIX epoch: the clock every `now` argument defaults to, shared with
-/// the ZMQ subscriber (`kvroute::zmq_sub::unix_clock`).
+/// the ZMQ subscriber (`kvroute::unix_clock`).
 #[pyfunction]
 fn now_ms() -> u64 {
     kvroute::unix_time_ms()

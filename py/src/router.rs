@@ -231,7 +231,7 @@ impl Router {
         replay_timeout_ms: Option<u64>,
         poll_interval_ms: Option<u64>,
     ) -> PyResult<Subscription> {
-        use kvroute::zmq_sub::{SocketMode, SubscriberConfig};
+        use kvroute::{SocketMode, SubscriberConfig};
         let mode = match mode {
             "auto" => SocketMode::Auto,
             "bind" => SocketMode::Bind,
@@ -249,7 +249,7 @@ impl Router {
         cfg.replay_timeout_ms = replay_timeout_ms.unwrap_or(cfg.replay_timeout_ms);
         cfg.poll_interval_ms = poll_interval_ms.unwrap_or(cfg.poll_interval_ms);
         let router = self.inner.clone();
-        let started = py.detach(|| kvroute::zmq_sub::Subscription::start(router, endpoint, cfg, kvroute::unix_clock()));
+        let started = py.detach(|| kvroute::Subscription::start(router, endpoint, cfg, kvroute::unix_clock()));
         match started {
             Ok(s) => Ok(Subscription::new(s)),
             Err(e) => Err(errors::subscribe(py, &e)),
@@ -261,7 +261,7 @@ impl Router {
     /// when present) or a `tokenizer.json` file; `None` removes the tokenizer. Raises
     /// `TokenizerError`.
     fn set_tokenizer(&self, py: Python<'_>, path: Option<PathBuf>) -> PyResult<()> {
-        use kvroute::tokenize::{PrefixCacheConfig, Tokenizer};
+        use kvroute::{PrefixCacheConfig, Tokenizer};
         let Some(path) = path else {
             py.detach(|| self.inner.set_tokenizer(None));
             return Ok(());

@@ -4,7 +4,7 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 
-use kvroute::zmq_sub::SubscriberStats;
+use kvroute::SubscriberStats;
 
 use crate::convert::{self, repr_bool, repr_str};
 use crate::errors;
@@ -14,7 +14,7 @@ use crate::errors;
 /// `stop()` ends it (also on garbage collection, and at the end of a `with` block).
 #[pyclass(frozen, module = "kvroute", name = "Subscription")]
 pub(crate) struct Subscription {
-    running: Mutex<Option<kvroute::zmq_sub::Subscription>>,
+    running: Mutex<Option<kvroute::Subscription>>,
     /// Counters when it was stopped.
     last: Mutex<SubscriberStats>,
     endpoint_id: String,
@@ -22,7 +22,7 @@ pub(crate) struct Subscription {
 }
 
 impl Subscription {
-    pub(crate) fn new(s: kvroute::zmq_sub::Subscription) -> Self {
+    pub(crate) fn new(s: kvroute::Subscription) -> Self {
         Subscription {
             endpoint_id: s.endpoint_id().to_owned(),
             local_endpoint: s.local_endpoint().to_owned(),

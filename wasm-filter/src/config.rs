@@ -56,11 +56,11 @@ pub const KVROUTE_HEADER_PREFIX: &str = "x-kvroute-";
 /// `wasm-filter/envoy.yaml` removes each of them with a native filter before the wasm filter
 /// runs, so that a missing or trapped VM cannot let a client's own header choose the upstream.
 pub const ROUTING_HEADERS: [&str; 7] = [
-    kvroute::decision::HEADER_DESTINATION,
-    kvroute::decision::HEADER_PREFILLER,
-    kvroute::decision::HEADER_MODE,
-    kvroute::decision::HEADER_SCORE,
-    kvroute::decision::HEADER_SHED_REASON,
+    kvroute::HEADER_DESTINATION,
+    kvroute::HEADER_PREFILLER,
+    kvroute::HEADER_MODE,
+    kvroute::HEADER_SCORE,
+    kvroute::HEADER_SHED_REASON,
     HEADER_DECISION,
     HEADER_FALLBACK,
 ];
@@ -310,7 +310,7 @@ impl PluginConfig {
         let mut seen = std::collections::BTreeSet::new();
         for (i, e) in f.endpoints.iter().enumerate() {
             let field = format!("filter.endpoints[{i}].address");
-            kvroute::endpoints::validate_endpoint_id(&e.address).map_err(|x| err(&field, x.to_string()))?;
+            kvroute::validate_endpoint_id(&e.address).map_err(|x| err(&field, x.to_string()))?;
             if !seen.insert(e.address.as_str()) {
                 return Err(err(&field, format!("{:?} is listed twice", e.address)));
             }

@@ -18,8 +18,8 @@ use crate::host::{
     Action, BufferType, Context, ContextType, HttpContext, LogLevel, MapType, MetricType, RootContext, Status,
 };
 use kvroute::{
-    decision, EndpointSpec, EventIngestError, MetricsSnapshot, RequestError, RouteError, RouterCore, RoutingEffect,
-    StateError,
+    EndpointSpec, EventIngestError, MetricsSnapshot, RequestError, RouteError, RouterCore, RoutingEffect, StateError,
+    HEADER_DESTINATION,
 };
 
 use crate::config::{
@@ -347,7 +347,7 @@ impl Root {
                 (":method", "GET"),
                 (":path", m.path.as_str()),
                 (":authority", ep.as_str()),
-                (decision::HEADER_DESTINATION, ep.as_str()),
+                (HEADER_DESTINATION, ep.as_str()),
                 ("accept", "text/plain"),
             ];
             match hostcalls::dispatch_http_call(&m.cluster, headers, None, vec![], Duration::from_millis(m.timeout())) {
@@ -653,7 +653,7 @@ impl Http {
         match target {
             Some(t) if enabled => {
                 self.shared.bump(Counter::FailOpen);
-                let mut ok = set_header(decision::HEADER_DESTINATION, &t) && set_header(HEADER_FALLBACK, reason);
+                let mut ok = set_header(HEADER_DESTINATION, &t) && set_header(HEADER_FALLBACK, reason);
                 if let Some(j) = &debug {
                     ok &= set_header(HEADER_DECISION, j);
                 }
@@ -1005,7 +1005,7 @@ impl HttpContext for Http {
                 Err(_) => None,
             };
             if let Some(t) = target {
-                if !set_header(decision::HEADER_DESTINATION, &t) {
+                if !set_header(HEADER_DESTINATION, &t) {
                     self.shared.bump(Counter::InternalErrors);
                 }
             }

@@ -251,7 +251,7 @@ pub struct EventPost {
 /// have been checked before. Errors are 400 answers' details.
 pub fn parse_post<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Result<EventPost, String> {
     let endpoint = get(HEADER_ENDPOINT).ok_or_else(|| format!("missing header {HEADER_ENDPOINT}"))?;
-    kvroute::endpoints::validate_endpoint_id(endpoint).map_err(|e| format!("{HEADER_ENDPOINT}: {e}"))?;
+    kvroute::validate_endpoint_id(endpoint).map_err(|e| format!("{HEADER_ENDPOINT}: {e}"))?;
     let kind = match get(HEADER_KIND).unwrap_or("batch") {
         "batch" => {
             let seq = match get(HEADER_SEQ) {

@@ -1,11 +1,11 @@
-//! Fuzz `kvroute::events::decode_batch` with arbitrary bytes: it must never panic, must never
+//! Fuzz `kvroute::decode_batch` with arbitrary bytes: it must never panic, must never
 //! allocate more than a small multiple of the input, and every error must point inside the input.
 //!
 //! Run (from core/): `RUSTC_BOOTSTRAP=1 cargo fuzz run decode_batch fuzz/corpus/decode_batch
 //! ../fixtures/events -- -dict=fuzz/decode_batch.dict -max_total_time=120`
 #![no_main]
 
-use kvroute::events::{decode_batch, KvEvent};
+use kvroute::{decode_batch, KvEvent};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

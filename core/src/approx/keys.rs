@@ -1,31 +1,6 @@
 //! Block keys for the approximate (tokenizer-free) prefix index.
 //!
-//! A prompt is cut into fixed-size blocks (`index.block_tokens` pseudo-tokens of
-//! `index.bytes_per_token` bytes for text; `index.block_tokens` ids of 4 bytes little-endian for
-//! token-id prompts); only full blocks count, as in the engines. Keys are chained:
-//!
-//! ```text
-//! seed  = xxh3_64(model ‖ 0xff ‖ salt-flag ‖ cache_salt ‖ kind, index.hash_seed)
-//! key_0 = mix(seed, rapidhash_v3(block_0)),   key_k = mix(key_{k-1}, rapidhash_v3(block_k))
-//! mix(p, b) = lo ^ hi of the 128-bit product (p ⊕ c1)·(b ⊕ c2)
-//! ```
-//!
-//! Block contents are hashed with rapidhash v3 (a versioned, portable algorithm: the same keys on
-//! every platform, wasm included), about twice as fast as xxh3 on 256-byte blocks without AVX2.
-//! On wasm32 the same algorithm runs from this module (`wide`, proven bit-identical to the
-//! `rapidhash` crate by a property test), because the crate's 128-bit multiplies cost a
-//! `__multi3` call each there.
-//!
-//! so a key identifies the whole prefix up to and including its block, within one model and one
-//! tenant (`cache_salt`): two different salts never share a key, and an empty salt is no salt (as
-//! vLLM hashes it). Key 0 is reserved (remapped to 1).
-//!
-//! Media in a chat (see `request`): the identity of a media message whose media all have one is
-//! mixed into the hash of the block where its content starts (`block_hash ← mix(block_hash,
-//! identity)`), so renderings share keys past it only when their media are the same; keys end at
-//! the request's key limit (the first media without an identity, or `prompt_embeds`), and what
-//! lies past it is counted in [`RequestKeys::unkeyed_blocks`], the prefix-hit denominator's
-//! share that can never match.
+//! The module is private: its full description is the documentation of [`ApproxHashing`].
 
 #[cfg(not(target_arch = "wasm32"))]
 use rapidhash::v3::rapidhash_v3;
@@ -39,6 +14,37 @@ use crate::request::{MediaKey, Prompt, RouteRequest};
 pub type BlockKey = u64;
 
 /// Parameters that define approximate block keys (a policy's `index` section).
+///
+/// ---
+///
+/// Block keys for the approximate (tokenizer-free) prefix index.
+///
+/// A prompt is cut into fixed-size blocks (`index.block_tokens` pseudo-tokens of
+/// `index.bytes_per_token` bytes for text; `index.block_tokens` ids of 4 bytes little-endian for
+/// token-id prompts); only full blocks count, as in the engines. Keys are chained:
+///
+/// ```text
+/// seed  = xxh3_64(model ‖ 0xff ‖ salt-flag ‖ cache_salt ‖ kind, index.hash_seed)
+/// key_0 = mix(seed, rapidhash_v3(block_0)),   key_k = mix(key_{k-1}, rapidhash_v3(block_k))
+/// mix(p, b) = lo ^ hi of the 128-bit product (p ⊕ c1)·(b ⊕ c2)
+/// ```
+///
+/// Block contents are hashed with rapidhash v3 (a versioned, portable algorithm: the same keys on
+/// every platform, wasm included), about twice as fast as xxh3 on 256-byte blocks without AVX2.
+/// On wasm32 the same algorithm runs from this module (`wide`, proven bit-identical to the
+/// `rapidhash` crate by a property test), because the crate's 128-bit multiplies cost a
+/// `__multi3` call each there.
+///
+/// so a key identifies the whole prefix up to and including its block, within one model and one
+/// tenant (`cache_salt`): two different salts never share a key, and an empty salt is no salt (as
+/// vLLM hashes it). Key 0 is reserved (remapped to 1).
+///
+/// Media in a chat (see `request`): the identity of a media message whose media all have one is
+/// mixed into the hash of the block where its content starts (`block_hash ← mix(block_hash,
+/// identity)`), so renderings share keys past it only when their media are the same; keys end at
+/// the request's key limit (the first media without an identity, or `prompt_embeds`), and what
+/// lies past it is counted in [`RequestKeys::unkeyed_blocks`], the prefix-hit denominator's
+/// share that can never match.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ApproxHashing {
     /// Pseudo-tokens per block.

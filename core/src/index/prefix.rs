@@ -1,51 +1,7 @@
 //! The prefix index shared by both index kinds: which endpoint holds which block, in which tier,
 //! with a per-endpoint capacity and LRU-style eviction.
 //!
-//! - [`ApproxIndex`] = `PrefixIndex<ExactBucket>`: blocks *assumed* resident because the router
-//!   sent a request there (exact 64-bit keys: two tenants' keys never share an entry unless the
-//!   64-bit keys themselves are equal; 32-bit fingerprints let a chosen pair of salts collide in a
-//!   birthday search of about 2^16 salts, see `core/tests/tenant_boundaries.rs`).
-//! - The event-fed precise index uses `PrefixIndex<ExactBucket>` too and adds tiers from the
-//!   engine's events and speculative entries.
-//!
-//! # Structure
-//! One posting table maps a block key to the set of endpoints holding it. Each (block, endpoint)
-//! membership is a 31-bit record: the endpoint's slot (12 bits), the tiers it is held in (GPU,
-//! CPU, STORAGE: 3 bits), a speculative flag, and a generation stamp (15 bits). Records are never
-//! 0 (a live record always has a tier or the speculative flag).
-//!
-//! # Eviction: generational LRU
-//! Each endpoint has a capacity `cap` (memberships, from the byte budget) and a generation counter.
-//! Touching a block stamps the membership with the endpoint's current generation; once
-//! `cap / 16` memberships carry the current generation, the generation advances and the oldest of
-//! the 16 live generations dies as a whole. A record is live iff its stamp is within the last 16
-//! generations of its endpoint, so eviction is O(1) and never scans. The guarantee (tested): the
-//! most recently touched `15/16 · cap` distinct blocks of an endpoint are always present, and an
-//! endpoint never holds more than `cap` live memberships.
-//!
-//! Blocks of one request are touched tail-first, so a request's head blocks are never older than
-//! its tail blocks and eviction trims prefixes from the end, as engines do.
-//!
-//! Dead records are reclaimed by an incremental sweeper that walks the table a bounded number of
-//! buckets: four per new membership while dead records await reclaiming (so they stay a bounded
-//! fraction of the table), plus `buckets / 16384 + 1` per generation advance, so a whole pass
-//! completes within 16,384 advances of all endpoints together — inside the 2^15-generation stamp
-//! window of each endpoint (2x margin), which makes stamp wrap-around impossible to observe.
-//!
-//! # Reference counts on offload tiers
-//! Offloading connectors re-announce a block (once per chunk that overlaps it, once per
-//! secondary tier) and remove it as often. The record's tier bit says "held"; a side table counts
-//! the announcements beyond the first per (block, endpoint, tier) and exists only while such a
-//! duplicate is outstanding (a removal then decrements it instead of dropping the tier). GPU
-//! stores are not counted: vLLM re-announces GPU blocks on prefix hits without removals. Counts
-//! of a membership that is evicted, cleared or retired are dropped with it (at latest on the
-//! next sweep pass).
-//!
-//! # Memory
-//! A key with one holder costs one bucket (12 bytes; load ≤ 7/8); each
-//! further holder costs 4 bytes in a size-classed arena chunk; an outstanding duplicate store on
-//! an offload tier costs one side-table entry (about 48 bytes). See `memory_bytes` and the `index_memory` test for
-//! measured bytes per membership.
+//! The module is private: its full description is the documentation of [`PrefixIndex`].
 
 use super::table::{BucketKind, ExactBucket, PostingTable};
 use crate::approx::{BlockKey, RequestKeys};
@@ -213,6 +169,57 @@ type DupCounts = std::collections::BTreeMap<(BlockKey, u16, u32), u32>;
 const DUP_ENTRY_BYTES: usize = 48;
 
 /// A prefix index over bucket layout `B`. Slots are the endpoint table's slot numbers.
+///
+/// ---
+///
+/// The prefix index shared by both index kinds: which endpoint holds which block, in which tier,
+/// with a per-endpoint capacity and LRU-style eviction.
+///
+/// - [`ApproxIndex`] = `PrefixIndex<ExactBucket>`: blocks *assumed* resident because the router
+///   sent a request there (exact 64-bit keys: two tenants' keys never share an entry unless the
+///   64-bit keys themselves are equal; 32-bit fingerprints let a chosen pair of salts collide in a
+///   birthday search of about 2^16 salts, see `core/tests/tenant_boundaries.rs`).
+/// - The event-fed precise index uses `PrefixIndex<ExactBucket>` too and adds tiers from the
+///   engine's events and speculative entries.
+///
+/// # Structure
+/// One posting table maps a block key to the set of endpoints holding it. Each (block, endpoint)
+/// membership is a 31-bit record: the endpoint's slot (12 bits), the tiers it is held in (GPU,
+/// CPU, STORAGE: 3 bits), a speculative flag, and a generation stamp (15 bits). Records are never
+/// 0 (a live record always has a tier or the speculative flag).
+///
+/// # Eviction: generational LRU
+/// Each endpoint has a capacity `cap` (memberships, from the byte budget) and a generation counter.
+/// Touching a block stamps the membership with the endpoint's current generation; once
+/// `cap / 16` memberships carry the current generation, the generation advances and the oldest of
+/// the 16 live generations dies as a whole. A record is live iff its stamp is within the last 16
+/// generations of its endpoint, so eviction is O(1) and never scans. The guarantee (tested): the
+/// most recently touched `15/16 · cap` distinct blocks of an endpoint are always present, and an
+/// endpoint never holds more than `cap` live memberships.
+///
+/// Blocks of one request are touched tail-first, so a request's head blocks are never older than
+/// its tail blocks and eviction trims prefixes from the end, as engines do.
+///
+/// Dead records are reclaimed by an incremental sweeper that walks the table a bounded number of
+/// buckets: four per new membership while dead records await reclaiming (so they stay a bounded
+/// fraction of the table), plus `buckets / 16384 + 1` per generation advance, so a whole pass
+/// completes within 16,384 advances of all endpoints together — inside the 2^15-generation stamp
+/// window of each endpoint (2x margin), which makes stamp wrap-around impossible to observe.
+///
+/// # Reference counts on offload tiers
+/// Offloading connectors re-announce a block (once per chunk that overlaps it, once per
+/// secondary tier) and remove it as often. The record's tier bit says "held"; a side table counts
+/// the announcements beyond the first per (block, endpoint, tier) and exists only while such a
+/// duplicate is outstanding (a removal then decrements it instead of dropping the tier). GPU
+/// stores are not counted: vLLM re-announces GPU blocks on prefix hits without removals. Counts
+/// of a membership that is evicted, cleared or retired are dropped with it (at latest on the
+/// next sweep pass).
+///
+/// # Memory
+/// A key with one holder costs one bucket (12 bytes; load ≤ 7/8); each
+/// further holder costs 4 bytes in a size-classed arena chunk; an outstanding duplicate store on
+/// an offload tier costs one side-table entry (about 48 bytes). See `memory_bytes` and the `index_memory` test for
+/// measured bytes per membership.
 pub struct PrefixIndex<B: BucketKind> {
     table: PostingTable<B>,
     dups: DupCounts,

@@ -1,68 +1,7 @@
 //! The event-fed precise index: what each endpoint's engine reports it holds, per tier, with
 //! speculative entries for requests just routed and per-publisher stream health.
 //!
-//! # Keys
-//! With dual keys (`index.precise.keys = "dual"`), the index stores the router's own request keys
-//! ([`DualKeyHashing`]). A `BlockStored` event carries the token ids of its blocks and the hash of
-//! their parent block: the router looks the parent up in its engine-key → request-key map (a
-//! chain starting at the root uses the root key of the event's LoRA adapter), computes the request
-//! keys of the stored blocks by chaining over their token ids, stores them and remembers
-//! engine key → request keys. `BlockRemoved` maps engine keys back to request keys the same way.
-//!
-//! **Blocks the router cannot key from token ids.** A block whose extra keys carry values the
-//! router cannot compute — vLLM's multimodal `(mm_hash, offset)` pairs, prompt-embeds digests
-//! (see [`BlockStored::content_keys`]) — gets, for its first index block, a key moved off the
-//! text chain (a fixed-seed mix of the text key and the content fingerprint); its other index
-//! blocks and every later block chain from it. A request of the same token ids (placeholder
-//! tokens included) therefore matches up to the block before the image and never past it. The
-//! cache_salt and LoRA name, which the router knows, stay in the chain's root.
-//!
-//! **Engine keys already mapped** are reused rather than recomputed by offload-tier (CPU,
-//! storage) stores: the engine's hash covers tokens, parent and every extra key, so a known
-//! engine key names the same content. This keeps blocks that an offloading connector
-//! re-announces without their extra keys (vLLM 0.33's offloading events carry none) keyed as
-//! the GPU event first reported them. (GPU events carry their extra keys and are recomputed,
-//! which spares the hot path a map probe per block.) A hash-only
-//! store (`token_ids` empty, e.g. the offloading connector's placeholder events) is placed
-//! entirely through the map; hashes the map does not know are counted as orphans. (Without
-//! self-describing events such a placeholder names only the last block of an offloaded chunk,
-//! so a chunk's earlier blocks are not seen on the offload tier: a match there stops short,
-//! never runs long.)
-//!
-//! **Lookahead** (vLLM `num_hash_lookahead_tokens` = L): the engine's block hash also covers the
-//! L tokens after the block, which are the next block's first tokens, so the dual chain already
-//! depends on them from the next block on; only the last matched block of a request that
-//! diverges within those L tokens can be credited without being servable (at most one block).
-//!
-//! **Repeated stores.** A GPU re-store (vLLM `kv_cache_report_mode="full"` re-emits
-//! `BlockStored` for prefix hits) is a touch; offload-tier stores are reference-counted per
-//! (block, endpoint, tier) by the block store (see [`crate::index`]), so a hash announced twice
-//! on CPU needs two removals.
-//!
-//! With engine keys (`index.precise.keys = "engine"`) the event's hashes are the index keys. A
-//! request never has multimodal hashes, so no text request reproduces an image block's key or
-//! any key chained after it: nothing is claimed past such a block.
-//!
-//! Unknown parents: a `BlockStored` whose parent engine key is not in the map (the subscriber
-//! joined after the parent was stored, or the map forgot it) cannot be placed in the chain, so
-//! its blocks are not indexed and are counted in [`PreciseStats::orphan_blocks`]. Nothing wrong is
-//! indexed; the blocks become known when the engine stores them again (vLLM ≥ 0.33 re-emits
-//! `BlockStored` for prefix-cache hits) or when a replay from the start of its buffer is applied.
-//! A `BlockRemoved` for an unknown engine key is ignored.
-//!
-//! # Speculation
-//! Routing a request inserts speculative memberships for its blocks on the chosen endpoint(s);
-//! they count as GPU-resident until the engine confirms them with `BlockStored` (which clears the
-//! flag) or `index.speculative_ttl_ms` passes (they are then withdrawn), driven by `now`.
-//!
-//! # Stream health
-//! Each endpoint's publisher numbers its batches; the index keeps one [`StreamTracker`] per
-//! endpoint to judge them (see [`StreamVerdict`] for the rules). An unrecoverable gap clears the endpoint and marks it stale for
-//! `index.precise.stale_recovery_ms`, during which hybrid routing uses the approximate index for
-//! it. A sequence number that goes back without repeating a recently applied batch is a
-//! restarted publisher: the endpoint is cleared at once, and when the batch is not the new
-//! process's first (seq > 0), the stream reports a gap from 0 and stays unhealthy until replay
-//! or a resync brings it back. Publisher timestamps are informational only (the lag gauge).
+//! The module is private: its full description is the documentation of [`KvIndex`].
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -258,6 +197,74 @@ impl PreciseStats {
 }
 
 /// The precise index (see the module docs). Slots are the endpoint table's.
+///
+/// ---
+///
+/// The event-fed precise index: what each endpoint's engine reports it holds, per tier, with
+/// speculative entries for requests just routed and per-publisher stream health.
+///
+/// # Keys
+/// With dual keys (`index.precise.keys = "dual"`), the index stores the router's own request keys
+/// ([`DualKeyHashing`]). A `BlockStored` event carries the token ids of its blocks and the hash of
+/// their parent block: the router looks the parent up in its engine-key → request-key map (a
+/// chain starting at the root uses the root key of the event's LoRA adapter), computes the request
+/// keys of the stored blocks by chaining over their token ids, stores them and remembers
+/// engine key → request keys. `BlockRemoved` maps engine keys back to request keys the same way.
+///
+/// **Blocks the router cannot key from token ids.** A block whose extra keys carry values the
+/// router cannot compute — vLLM's multimodal `(mm_hash, offset)` pairs, prompt-embeds digests
+/// (see [`BlockStored::content_keys`]) — gets, for its first index block, a key moved off the
+/// text chain (a fixed-seed mix of the text key and the content fingerprint); its other index
+/// blocks and every later block chain from it. A request of the same token ids (placeholder
+/// tokens included) therefore matches up to the block before the image and never past it. The
+/// cache_salt and LoRA name, which the router knows, stay in the chain's root.
+///
+/// **Engine keys already mapped** are reused rather than recomputed by offload-tier (CPU,
+/// storage) stores: the engine's hash covers tokens, parent and every extra key, so a known
+/// engine key names the same content. This keeps blocks that an offloading connector
+/// re-announces without their extra keys (vLLM 0.33's offloading events carry none) keyed as
+/// the GPU event first reported them. (GPU events carry their extra keys and are recomputed,
+/// which spares the hot path a map probe per block.) A hash-only
+/// store (`token_ids` empty, e.g. the offloading connector's placeholder events) is placed
+/// entirely through the map; hashes the map does not know are counted as orphans. (Without
+/// self-describing events such a placeholder names only the last block of an offloaded chunk,
+/// so a chunk's earlier blocks are not seen on the offload tier: a match there stops short,
+/// never runs long.)
+///
+/// **Lookahead** (vLLM `num_hash_lookahead_tokens` = L): the engine's block hash also covers the
+/// L tokens after the block, which are the next block's first tokens, so the dual chain already
+/// depends on them from the next block on; only the last matched block of a request that
+/// diverges within those L tokens can be credited without being servable (at most one block).
+///
+/// **Repeated stores.** A GPU re-store (vLLM `kv_cache_report_mode="full"` re-emits
+/// `BlockStored` for prefix hits) is a touch; offload-tier stores are reference-counted per
+/// (block, endpoint, tier) by the block store (see [`PrefixIndex`](crate::PrefixIndex)), so a hash announced twice
+/// on CPU needs two removals.
+///
+/// With engine keys (`index.precise.keys = "engine"`) the event's hashes are the index keys. A
+/// request never has multimodal hashes, so no text request reproduces an image block's key or
+/// any key chained after it: nothing is claimed past such a block.
+///
+/// Unknown parents: a `BlockStored` whose parent engine key is not in the map (the subscriber
+/// joined after the parent was stored, or the map forgot it) cannot be placed in the chain, so
+/// its blocks are not indexed and are counted in [`PreciseStats::orphan_blocks`]. Nothing wrong is
+/// indexed; the blocks become known when the engine stores them again (vLLM ≥ 0.33 re-emits
+/// `BlockStored` for prefix-cache hits) or when a replay from the start of its buffer is applied.
+/// A `BlockRemoved` for an unknown engine key is ignored.
+///
+/// # Speculation
+/// Routing a request inserts speculative memberships for its blocks on the chosen endpoint(s);
+/// they count as GPU-resident until the engine confirms them with `BlockStored` (which clears the
+/// flag) or `index.speculative_ttl_ms` passes (they are then withdrawn), driven by `now`.
+///
+/// # Stream health
+/// Each endpoint's publisher numbers its batches; the index keeps one [`StreamTracker`] per
+/// endpoint to judge them (see [`StreamVerdict`] for the rules). An unrecoverable gap clears the endpoint and marks it stale for
+/// `index.precise.stale_recovery_ms`, during which hybrid routing uses the approximate index for
+/// it. A sequence number that goes back without repeating a recently applied batch is a
+/// restarted publisher: the endpoint is cleared at once, and when the batch is not the new
+/// process's first (seq > 0), the stream reports a gap from 0 and stays unhealthy until replay
+/// or a resync brings it back. Publisher timestamps are informational only (the lag gauge).
 pub struct KvIndex {
     blocks: PrefixIndex<ExactBucket>,
     scheme: KeyScheme,

@@ -9,8 +9,8 @@
 //! - stream judgment ([`StreamTracker`]): sequence numbers, duplicates, gaps and publisher
 //!   restarts of one publisher's stream, without an index (what a forwarder needs too).
 
-pub mod engine_hash;
-pub mod events;
+pub(crate) mod engine_hash;
+pub(crate) mod events;
 mod index;
 mod keys;
 #[cfg(feature = "zmq")]
@@ -18,10 +18,12 @@ mod sink;
 mod speculation;
 mod stream;
 #[cfg(feature = "zmq")]
-pub mod zmq_sub;
+pub(crate) mod zmq_sub;
 
 pub use index::{ApplyOutcome, KvIndex, PreciseStats};
 pub use keys::{DualKeyHashing, PreciseKeys};
+#[cfg(feature = "zmq")]
+pub use sink::{Batch, BatchOrigin, EventSink};
 pub use stream::{
     batch_digest, StreamInfo, StreamJudgment, StreamTracker, StreamVerdict, MAX_PUBLISHER_TS_S, RECENT_BATCHES,
 };

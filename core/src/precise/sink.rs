@@ -50,8 +50,8 @@ pub struct Batch<'a> {
 ///
 /// ```
 /// use std::sync::{Arc, Mutex};
-/// use kvroute::precise::{batch_digest, StreamTracker};
-/// use kvroute::zmq_sub::{unix_clock, Batch, EventSink, SubscriberConfig, Subscription};
+/// use kvroute::{batch_digest, StreamTracker};
+/// use kvroute::{unix_clock, Batch, EventSink, SubscriberConfig, Subscription};
 /// use kvroute::{StateError, StreamVerdict};
 ///
 /// /// Counts the events of the batches that arrive in order.

@@ -1,26 +1,7 @@
 //! One publisher's numbered batch stream: which batches are in order, repeats, gaps, or the
 //! first of a restarted publisher.
 //!
-//! A [`StreamTracker`] holds no index and does no I/O: it is told each batch's sequence number
-//! and content digest ([`batch_digest`]) and answers with a [`StreamVerdict`]; time is passed in.
-//! [`crate::KvIndex`] keeps one per endpoint and applies the batches it accepts; a program that
-//! only forwards batches (the Envoy filter's relay) uses one per engine to decide what to forward.
-//!
-//! ```
-//! use kvroute::precise::{batch_digest, StreamTracker};
-//! use kvroute::{EventBatch, StreamVerdict};
-//!
-//! let batch = |ts: f64| EventBatch { ts, events: Vec::new(), data_parallel_rank: None };
-//! let mut t = StreamTracker::new();
-//! let (b0, b1) = (batch(1.0), batch(2.0));
-//! assert_eq!(t.judge(Some(0), batch_digest(&b0)).verdict, StreamVerdict::Applied);
-//! assert_eq!(t.judge(Some(1), batch_digest(&b1)).verdict, StreamVerdict::Applied);
-//! assert_eq!(t.judge(Some(1), batch_digest(&b1)).verdict, StreamVerdict::Duplicate);
-//! assert_eq!(t.judge(Some(5), 0).verdict, StreamVerdict::Gap { expected: 2, got: 5 });
-//! // A new process numbering from 0 again: the caller drops what it holds for this publisher.
-//! let restart = t.judge(Some(0), batch_digest(&batch(0.5)));
-//! assert_eq!((restart.verdict, restart.restarted), (StreamVerdict::Reset, true));
-//! ```
+//! The module is private: its full description is the documentation of [`StreamTracker`].
 
 use serde::Serialize;
 
@@ -144,6 +125,32 @@ pub struct StreamInfo {
 ///
 /// Pure: no index, no I/O, no clock (times are arguments). About 1 KiB once a numbered batch
 /// has been applied (the [`RECENT_BATCHES`] window), a few words before.
+///
+/// ---
+///
+/// One publisher's numbered batch stream: which batches are in order, repeats, gaps, or the
+/// first of a restarted publisher.
+///
+/// A [`StreamTracker`] holds no index and does no I/O: it is told each batch's sequence number
+/// and content digest ([`batch_digest`]) and answers with a [`StreamVerdict`]; time is passed in.
+/// [`crate::KvIndex`] keeps one per endpoint and applies the batches it accepts; a program that
+/// only forwards batches (the Envoy filter's relay) uses one per engine to decide what to forward.
+///
+/// ```
+/// use kvroute::{batch_digest, StreamTracker};
+/// use kvroute::{EventBatch, StreamVerdict};
+///
+/// let batch = |ts: f64| EventBatch { ts, events: Vec::new(), data_parallel_rank: None };
+/// let mut t = StreamTracker::new();
+/// let (b0, b1) = (batch(1.0), batch(2.0));
+/// assert_eq!(t.judge(Some(0), batch_digest(&b0)).verdict, StreamVerdict::Applied);
+/// assert_eq!(t.judge(Some(1), batch_digest(&b1)).verdict, StreamVerdict::Applied);
+/// assert_eq!(t.judge(Some(1), batch_digest(&b1)).verdict, StreamVerdict::Duplicate);
+/// assert_eq!(t.judge(Some(5), 0).verdict, StreamVerdict::Gap { expected: 2, got: 5 });
+/// // A new process numbering from 0 again: the caller drops what it holds for this publisher.
+/// let restart = t.judge(Some(0), batch_digest(&batch(0.5)));
+/// assert_eq!((restart.verdict, restart.restarted), (StreamVerdict::Reset, true));
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct StreamTracker {
     last_seq: Option<u64>,

@@ -1,115 +1,6 @@
 //! ZMQ subscriber for engine KV events (cargo feature `zmq`, native only).
 //!
-//! A [`Subscription`] owns ONE background thread that receives a vLLM (or SGLang) KV-event
-//! stream over ZMQ, decodes each batch once and delivers it to an [`EventSink`], recovering
-//! from lost batches with the publisher's replay socket. The sink judges each batch's place in
-//! the stream and keeps it: a [`Router`] (it applies batches to its precise index) or, in a
-//! program that only forwards batches, a sink that judges them with a
-//! [`crate::precise::StreamTracker`] (the Envoy filter's relay). The core stays free of clocks,
-//! threads and I/O: this adapter supplies `now_ms` from a [`Clock`] it is given and calls the
-//! sink's methods, the router's being pure.
-//!
-//! # Wire format
-//! - Live stream (ZMQ `SUB`): multipart `[topic (utf-8), seq (8-byte big-endian u64), payload
-//!   (msgpack batch)]`. The subscription filter is [`SubscriberConfig::topic`] (a byte prefix of
-//!   the topic frame; `""` takes everything). Messages with another frame count or a sequence
-//!   frame that is not 8 bytes are counted ([`SubscriberStats::malformed`]) and skipped.
-//! - Bind or connect: vLLM's publisher binds when its endpoint contains `*` or `::` and connects
-//!   otherwise, so the subscriber does the opposite: see [`SocketMode`].
-//! - Replay (ZMQ `DEALER` to the publisher's `ROUTER`): request `["", start_seq (8-byte BE)]`.
-//!   Both reply layouts are accepted, told apart by each message's own frame count (so either
-//!   end marker closes either batch layout): vLLM ≥ 0.26 and SGLang (0.5.23's
-//!   `_service_replay`) send `["", topic, seq, payload]` per buffered batch and end with
-//!   `["", "", END_SEQ, ""]`; vLLM ≤ 0.23 sends `["", seq, payload]` and ends with
-//!   `["", END_SEQ, ""]`. [`END_SEQ`] is `-1` as a signed 8-byte big-endian integer. A replayed
-//!   batch without a topic frame is not filtered by [`SubscriberConfig::topic`].
-//! - Payloads are decoded by [`crate::precise::events::decode_batch`] (see its module for the event
-//!   formats: vLLM ≤ 0.23 arrays, vLLM ≥ 0.24 and SGLang maps, extra keys, lookahead, offload
-//!   re-announcements).
-//!
-//! # Gaps, replay and resync
-//! When the sink judges a batch a [`StreamVerdict::Gap`] (batches `expected..got` are
-//! missing), the batch is held and the worker:
-//! 1. opens a fresh `DEALER` (so a late answer to an earlier, timed-out request can never be
-//!    mistaken for this one), asks for `expected - 1` — the last batch applied, which the sink
-//!    judges a duplicate only when the publisher is the same process — and delivers each
-//!    replayed batch in order with its sequence number, until the batch before the held one has
-//!    been applied. When the sink finds that first batch is not the one it applied (the engine
-//!    restarted, e.g. during a disconnect, and its new sequence passed the old one), it clears
-//!    the endpoint and answers a gap from 0: the worker asks again from 0, delivering the new
-//!    process's batches from its first;
-//! 2. gives up ([`ReplayFailure`]) when no replay endpoint is configured, when no complete answer
-//!    arrives within [`SubscriberConfig::replay_timeout_ms`], when the replay does not reach back
-//!    to the last batch applied ([`ReplayFailure::Unproven`]) or to `expected`
-//!    ([`ReplayFailure::TooOld`]), when the replay ends or skips before the held batch, or when a
-//!    replayed batch cannot be applied; it then calls [`EventSink::resync`] (the router drops
-//!    the endpoint's precise entries and counts it as stale for
-//!    `index.precise.stale_recovery_ms`);
-//! 3. submits the held batch again (after a resync it is accepted as a fresh start).
-//!
-//! Each replay's end is told to [`EventSink::replay_ended`] (the router counts it).
-//!
-//! # Restarts
-//! A publisher restart whose first batch is seen with a sequence number not above the last one
-//! applied is judged by the sink: [`StreamVerdict::Reset`] at 0 (endpoint cleared, batch
-//! applied; the subscriber counts it), a gap from 0 otherwise (endpoint cleared; the worker
-//! replays from 0 as above, or resyncs). The `SUB` socket is monitored for lost connections
-//! ([`SubscriberStats::disconnects`]): ZMQ reconnects by itself, and the first batch after a lost
-//! connection may come from a new process even when its number is the next one expected. So when
-//! it is in order, the worker first proves continuity by replaying from the last batch applied
-//! (as in step 1; a restart found there is replayed from 0), and resyncs when that cannot be done.
-//! A payload that does not decode is counted and reported, and the stream goes on; since the
-//! sink never saw that sequence number, the next batch is a gap, whose replay brings the same
-//! undecodable bytes, so the stream is resynchronized: entries that batch would have changed are
-//! never trusted blindly.
-//!
-//! # Sinks: applying or forwarding
-//! [`EventSink::deliver`] is given each batch as a [`Batch`]: the payload decoded (once, by the
-//! subscription: [`SubscriberStats::decoded`] counts it) and raw, its topic and sequence number,
-//! and whether it came from the live stream or from a replay. Batches come in sequence order:
-//! batches recovered by replay before the held batch that revealed the gap. Payloads that do not
-//! decode never reach the sink. A forwarder (e.g. a relay that POSTs batches to a process
-//! without sockets) passes on the raw payload of the batches it accepts, and on
-//! [`EventSink::resync`] tells its downstream to drop what it holds for the endpoint: that call
-//! comes before the batch that starts the stream again. Everything unusual reaches
-//! [`EventSink::notice`] and then the [`Observer`], if one was given, on the same thread, in
-//! stream order; a verdict's own notice ([`SubscriberEvent::Gap`], [`SubscriberEvent::Reset`])
-//! comes after the `deliver` call that returned it.
-//!
-//! # Threading and shutdown
-//! [`Subscription::start`] gives the subscription its own ZMQ context, opens the sockets on the
-//! worker thread and waits for it to report that the socket is bound or connected (errors come
-//! back from `start`). The worker polls with a timeout of [`SubscriberConfig::poll_interval_ms`]
-//! and checks a stop flag between polls (also while waiting for a replay); [`Subscription::stop`]
-//! and `Drop` set the flag and join the thread, so shutdown takes at most about one poll
-//! interval. Sockets are closed with linger 0: nothing is left behind.
-//!
-//! # Clock
-//! `now_ms` given to the sink comes from the [`Clock`] passed to `start`. Metric snapshots
-//! (`MetricsSnapshot::updated_ms`) and `route` calls must use the same clock. [`unix_clock`]
-//! (milliseconds since the UNIX epoch) is the usual choice; pass a monotonic clock (or a test
-//! clock) if the rest of the program uses one.
-//!
-//! # Limits
-//! One subscription feeds one endpoint of its sink from one publisher. With data parallelism,
-//! each rank publishes its own numbered stream (vLLM: port + rank); the router keeps one
-//! sequence per endpoint, so subscribe each rank as its own router endpoint.
-//!
-//! ```no_run
-//! use std::sync::Arc;
-//! use kvroute::zmq_sub::{unix_clock, SubscriberConfig, Subscription};
-//! use kvroute::{EndpointSpec, Policy, Role, Router};
-//!
-//! let router = Arc::new(Router::new(Policy::from_json(r#"{"index":{"mode":"hybrid"}}"#)?));
-//! router.upsert_endpoint(EndpointSpec::new("10.0.0.7:8000", Role::Decode))?;
-//! let mut cfg = SubscriberConfig::new("tcp://10.0.0.7:5557");
-//! cfg.replay_endpoint = Some("tcp://10.0.0.7:5558".into());
-//! let sub = Subscription::start(router.clone(), "10.0.0.7:8000", cfg, unix_clock())?;
-//! // ... route requests; events keep flowing into the router ...
-//! let stats = sub.stop()?;
-//! println!("applied {} batches, {} resyncs", stats.applied, stats.resyncs);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! The module is private: its full description is the documentation of [`Subscription`].
 
 // The core is sans-IO (core/clippy.toml disallows clocks, threads and sleeps); this adapter
 // (feature `zmq`, native only) is the exception: it runs the receiver thread, waits for replays
@@ -124,11 +15,11 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use crate::clock::{unix_clock, unix_time_ms, Clock};
+use crate::clock::Clock;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::precise::sink::{Batch, BatchOrigin, EventSink};
+use crate::precise::sink::{Batch, BatchOrigin, EventSink};
 
 use crate::endpoints::validate_endpoint_id;
 use crate::error::StateError;
@@ -505,6 +396,121 @@ impl Counters {
 
 /// A running subscription: one background thread feeding one endpoint of a sink. Stop it with
 /// [`Subscription::stop`] (dropping it stops it too).
+///
+/// ---
+///
+/// ZMQ subscriber for engine KV events (cargo feature `zmq`, native only).
+///
+/// A [`Subscription`] owns ONE background thread that receives a vLLM (or SGLang) KV-event
+/// stream over ZMQ, decodes each batch once and delivers it to an [`EventSink`], recovering
+/// from lost batches with the publisher's replay socket. The sink judges each batch's place in
+/// the stream and keeps it: a [`Router`] (it applies batches to its precise index) or, in a
+/// program that only forwards batches, a sink that judges them with a
+/// [`crate::precise::StreamTracker`] (the Envoy filter's relay). The core stays free of clocks,
+/// threads and I/O: this adapter supplies `now_ms` from a [`Clock`] it is given and calls the
+/// sink's methods, the router's being pure.
+///
+/// # Wire format
+/// - Live stream (ZMQ `SUB`): multipart `[topic (utf-8), seq (8-byte big-endian u64), payload
+///   (msgpack batch)]`. The subscription filter is [`SubscriberConfig::topic`] (a byte prefix of
+///   the topic frame; `""` takes everything). Messages with another frame count or a sequence
+///   frame that is not 8 bytes are counted ([`SubscriberStats::malformed`]) and skipped.
+/// - Bind or connect: vLLM's publisher binds when its endpoint contains `*` or `::` and connects
+///   otherwise, so the subscriber does the opposite: see [`SocketMode`].
+/// - Replay (ZMQ `DEALER` to the publisher's `ROUTER`): request `["", start_seq (8-byte BE)]`.
+///   Both reply layouts are accepted, told apart by each message's own frame count (so either
+///   end marker closes either batch layout): vLLM ≥ 0.26 and SGLang (0.5.23's
+///   `_service_replay`) send `["", topic, seq, payload]` per buffered batch and end with
+///   `["", "", END_SEQ, ""]`; vLLM ≤ 0.23 sends `["", seq, payload]` and ends with
+///   `["", END_SEQ, ""]`. [`END_SEQ`] is `-1` as a signed 8-byte big-endian integer. A replayed
+///   batch without a topic frame is not filtered by [`SubscriberConfig::topic`].
+/// - Payloads are decoded by [`crate::precise::events::decode_batch`] (see its module for the event
+///   formats: vLLM ≤ 0.23 arrays, vLLM ≥ 0.24 and SGLang maps, extra keys, lookahead, offload
+///   re-announcements).
+///
+/// # Gaps, replay and resync
+/// When the sink judges a batch a [`StreamVerdict::Gap`] (batches `expected..got` are
+/// missing), the batch is held and the worker:
+/// 1. opens a fresh `DEALER` (so a late answer to an earlier, timed-out request can never be
+///    mistaken for this one), asks for `expected - 1` — the last batch applied, which the sink
+///    judges a duplicate only when the publisher is the same process — and delivers each
+///    replayed batch in order with its sequence number, until the batch before the held one has
+///    been applied. When the sink finds that first batch is not the one it applied (the engine
+///    restarted, e.g. during a disconnect, and its new sequence passed the old one), it clears
+///    the endpoint and answers a gap from 0: the worker asks again from 0, delivering the new
+///    process's batches from its first;
+/// 2. gives up ([`ReplayFailure`]) when no replay endpoint is configured, when no complete answer
+///    arrives within [`SubscriberConfig::replay_timeout_ms`], when the replay does not reach back
+///    to the last batch applied ([`ReplayFailure::Unproven`]) or to `expected`
+///    ([`ReplayFailure::TooOld`]), when the replay ends or skips before the held batch, or when a
+///    replayed batch cannot be applied; it then calls [`EventSink::resync`] (the router drops
+///    the endpoint's precise entries and counts it as stale for
+///    `index.precise.stale_recovery_ms`);
+/// 3. submits the held batch again (after a resync it is accepted as a fresh start).
+///
+/// Each replay's end is told to [`EventSink::replay_ended`] (the router counts it).
+///
+/// # Restarts
+/// A publisher restart whose first batch is seen with a sequence number not above the last one
+/// applied is judged by the sink: [`StreamVerdict::Reset`] at 0 (endpoint cleared, batch
+/// applied; the subscriber counts it), a gap from 0 otherwise (endpoint cleared; the worker
+/// replays from 0 as above, or resyncs). The `SUB` socket is monitored for lost connections
+/// ([`SubscriberStats::disconnects`]): ZMQ reconnects by itself, and the first batch after a lost
+/// connection may come from a new process even when its number is the next one expected. So when
+/// it is in order, the worker first proves continuity by replaying from the last batch applied
+/// (as in step 1; a restart found there is replayed from 0), and resyncs when that cannot be done.
+/// A payload that does not decode is counted and reported, and the stream goes on; since the
+/// sink never saw that sequence number, the next batch is a gap, whose replay brings the same
+/// undecodable bytes, so the stream is resynchronized: entries that batch would have changed are
+/// never trusted blindly.
+///
+/// # Sinks: applying or forwarding
+/// [`EventSink::deliver`] is given each batch as a [`Batch`]: the payload decoded (once, by the
+/// subscription: [`SubscriberStats::decoded`] counts it) and raw, its topic and sequence number,
+/// and whether it came from the live stream or from a replay. Batches come in sequence order:
+/// batches recovered by replay before the held batch that revealed the gap. Payloads that do not
+/// decode never reach the sink. A forwarder (e.g. a relay that POSTs batches to a process
+/// without sockets) passes on the raw payload of the batches it accepts, and on
+/// [`EventSink::resync`] tells its downstream to drop what it holds for the endpoint: that call
+/// comes before the batch that starts the stream again. Everything unusual reaches
+/// [`EventSink::notice`] and then the [`Observer`], if one was given, on the same thread, in
+/// stream order; a verdict's own notice ([`SubscriberEvent::Gap`], [`SubscriberEvent::Reset`])
+/// comes after the `deliver` call that returned it.
+///
+/// # Threading and shutdown
+/// [`Subscription::start`] gives the subscription its own ZMQ context, opens the sockets on the
+/// worker thread and waits for it to report that the socket is bound or connected (errors come
+/// back from `start`). The worker polls with a timeout of [`SubscriberConfig::poll_interval_ms`]
+/// and checks a stop flag between polls (also while waiting for a replay); [`Subscription::stop`]
+/// and `Drop` set the flag and join the thread, so shutdown takes at most about one poll
+/// interval. Sockets are closed with linger 0: nothing is left behind.
+///
+/// # Clock
+/// `now_ms` given to the sink comes from the [`Clock`] passed to `start`. Metric snapshots
+/// (`MetricsSnapshot::updated_ms`) and `route` calls must use the same clock. [`unix_clock`](crate::unix_clock)
+/// (milliseconds since the UNIX epoch) is the usual choice; pass a monotonic clock (or a test
+/// clock) if the rest of the program uses one.
+///
+/// # Limits
+/// One subscription feeds one endpoint of its sink from one publisher. With data parallelism,
+/// each rank publishes its own numbered stream (vLLM: port + rank); the router keeps one
+/// sequence per endpoint, so subscribe each rank as its own router endpoint.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use kvroute::{unix_clock, SubscriberConfig, Subscription};
+/// use kvroute::{EndpointSpec, Policy, Role, Router};
+///
+/// let router = Arc::new(Router::new(Policy::from_json(r#"{"index":{"mode":"hybrid"}}"#)?));
+/// router.upsert_endpoint(EndpointSpec::new("10.0.0.7:8000", Role::Decode))?;
+/// let mut cfg = SubscriberConfig::new("tcp://10.0.0.7:5557");
+/// cfg.replay_endpoint = Some("tcp://10.0.0.7:5558".into());
+/// let sub = Subscription::start(router.clone(), "10.0.0.7:8000", cfg, unix_clock())?;
+/// // ... route requests; events keep flowing into the router ...
+/// let stats = sub.stop()?;
+/// println!("applied {} batches, {} resyncs", stats.applied, stats.resyncs);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Subscription {
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,

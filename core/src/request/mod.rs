@@ -1,38 +1,7 @@
 //! Request parsing: OpenAI `/v1/completions` and `/v1/chat/completions` bodies plus headers →
 //! [`RouteRequest`].
 //!
-//! Chat requests are rendered (without a tokenizer) into a canonical byte string: optional `tools`
-//! (canonical JSON), then every message as `\x01 role [\x1f name] \x02 content [\x1f tool data] \x03`.
-//! Content parts are joined with `\n`, as vLLM joins them for a chat template. A conversation
-//! that grows by appending messages therefore grows its rendering by appending bytes, which is
-//! what prefix matching needs.
-//!
-//! # Media parts
-//!
-//! Text content parts (`text`, `input_text`, `output_text`, `refusal`, `thinking`, the types
-//! vLLM reads as text) are keyed like string content. Any other part (`image_url`,
-//! `input_audio`, `video_url`, `file`, `prompt_embeds`, …) is *media*: vLLM turns it into
-//! placeholder tokens and hashes the media's identity (the decoded bytes, or the part's `uuid`,
-//! with the request's `mm_processor_kwargs` and `media_io_kwargs`) into the blocks that cover
-//! them, and every later block chains on those. vLLM puts a message's media placeholders in front
-//! of its text by default (at the part's place with `--interleave-mm-strings`), so the router
-//! treats a message holding media as a whole, from the start of its content:
-//!
-//! - **approximate keys**: a media message whose every media part carries a stable identity (a
-//!   `uuid`, or inline data: a `data:` URL, `input_audio`) is keyed, its identity (a hash of all
-//!   its parts and the request's media kwargs) mixed into the block where its content starts
-//!   ([`RouteRequest::media_keys`]), so two messages share keys from there on only when they
-//!   are identical. The first media message with a part that has no stable identity (an
-//!   `http(s)` URL may serve other bytes each time) ends the keys at the start of its content
-//!   ([`RouteRequest::key_limit`]).
-//! - **tokenizer keys** end at the start of the content of the first media message of any kind
-//!   ([`ChatInput::media`]): how many placeholder tokens a medium becomes is the model
-//!   processor's business.
-//!
-//! Whatever is past a limit still counts in the prefix-hit denominator, each media part there at
-//! [`MEDIA_PART_TOKENS`] tokens, so two chats that differ only in an image share exactly the prefix
-//! before it and are never a full hit. A completions body with `prompt_embeds` (vLLM) gets a limit
-//! too: the embeddings are extra sequences the router cannot key.
+//! The module is private: its full description is the documentation of [`RouteRequest`].
 
 mod body;
 mod chat;
@@ -114,6 +83,44 @@ pub struct JudgmentHint {
 }
 
 /// A parsed inference request: everything routing needs, nothing else.
+///
+/// ---
+///
+/// Request parsing: OpenAI `/v1/completions` and `/v1/chat/completions` bodies plus headers →
+/// [`RouteRequest`].
+///
+/// Chat requests are rendered (without a tokenizer) into a canonical byte string: optional `tools`
+/// (canonical JSON), then every message as `\x01 role [\x1f name] \x02 content [\x1f tool data] \x03`.
+/// Content parts are joined with `\n`, as vLLM joins them for a chat template. A conversation
+/// that grows by appending messages therefore grows its rendering by appending bytes, which is
+/// what prefix matching needs.
+///
+/// # Media parts
+///
+/// Text content parts (`text`, `input_text`, `output_text`, `refusal`, `thinking`, the types
+/// vLLM reads as text) are keyed like string content. Any other part (`image_url`,
+/// `input_audio`, `video_url`, `file`, `prompt_embeds`, …) is *media*: vLLM turns it into
+/// placeholder tokens and hashes the media's identity (the decoded bytes, or the part's `uuid`,
+/// with the request's `mm_processor_kwargs` and `media_io_kwargs`) into the blocks that cover
+/// them, and every later block chains on those. vLLM puts a message's media placeholders in front
+/// of its text by default (at the part's place with `--interleave-mm-strings`), so the router
+/// treats a message holding media as a whole, from the start of its content:
+///
+/// - **approximate keys**: a media message whose every media part carries a stable identity (a
+///   `uuid`, or inline data: a `data:` URL, `input_audio`) is keyed, its identity (a hash of all
+///   its parts and the request's media kwargs) mixed into the block where its content starts
+///   ([`RouteRequest::media_keys`]), so two messages share keys from there on only when they
+///   are identical. The first media message with a part that has no stable identity (an
+///   `http(s)` URL may serve other bytes each time) ends the keys at the start of its content
+///   ([`RouteRequest::key_limit`]).
+/// - **tokenizer keys** end at the start of the content of the first media message of any kind
+///   ([`ChatInput::media`]): how many placeholder tokens a medium becomes is the model
+///   processor's business.
+///
+/// Whatever is past a limit still counts in the prefix-hit denominator, each media part there at
+/// [`MEDIA_PART_TOKENS`] tokens, so two chats that differ only in an image share exactly the prefix
+/// before it and are never a full hit. A completions body with `prompt_embeds` (vLLM) gets a limit
+/// too: the embeddings are extra sequences the router cannot key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteRequest {
     /// The API.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use kvroute::zmq_sub::{unix_clock, unix_time_ms, SubscriberConfig, Subscription};
+use kvroute::{unix_clock, unix_time_ms, SubscriberConfig, Subscription};
 use kvroute::{EndpointSpec, Policy, Role, Router};
 
 use super::http;
@@ -123,7 +123,7 @@ pub(crate) fn kvroute_policy(kind: PolicyKind, block_size: u32, pool_tokens_per_
     let mode = if kind == PolicyKind::KvroutePrecise { "precise" } else { "approx" };
     // One membership per block of `block_tokens` tokens, charged 16 bytes each.
     let approx_block = 64u64;
-    let approx_budget = (pool_tokens_per_worker / approx_block).max(64) * kvroute::config::NOMINAL_BYTES_PER_MEMBERSHIP;
+    let approx_budget = (pool_tokens_per_worker / approx_block).max(64) * kvroute::NOMINAL_BYTES_PER_MEMBERSHIP;
     let json = serde_json::json!({
         "index": {
             "mode": mode,

@@ -15,7 +15,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvroute::zmq_sub::SubscriberConfig;
+use kvroute::SubscriberConfig;
 use serde::Deserialize;
 
 /// Default event path (the filter's `events.path` must match).
@@ -108,7 +108,7 @@ impl RelayConfig {
         }
         let mut seen = std::collections::BTreeSet::new();
         for (i, e) in self.engines.iter().enumerate() {
-            kvroute::endpoints::validate_endpoint_id(&e.endpoint).map_err(|x| format!("engines[{i}].endpoint: {x}"))?;
+            kvroute::validate_endpoint_id(&e.endpoint).map_err(|x| format!("engines[{i}].endpoint: {x}"))?;
             if !seen.insert(&e.endpoint) {
                 return Err(format!("engines[{i}].endpoint {:?} is listed twice", e.endpoint));
             }

@@ -1,7 +1,7 @@
 //! One core [`Subscription`] per engine, delivering to an [`EngineSink`] that judges the
 //! engine's stream and hands every batch it accepts to the forwarders.
 //!
-//! Receiving, framing, decoding, gap replay and resync are the core's (`kvroute::zmq_sub`); the
+//! Receiving, framing, decoding, gap replay and resync are the core's (`kvroute::Subscription`); the
 //! sequence judgment is the core's [`StreamTracker`]. This module only turns accepted batches
 //! and resyncs into forwarder messages. The subscription calls its sink on one thread in stream
 //! order, so a resync notice is queued before the batch that starts the stream again.
@@ -9,9 +9,9 @@
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use kvroute::precise::{batch_digest, StreamTracker};
 use kvroute::unix_clock;
-use kvroute::zmq_sub::{Batch, EventSink, SubscriberEvent, Subscription};
+use kvroute::{batch_digest, StreamTracker};
+use kvroute::{Batch, EventSink, SubscriberEvent, Subscription};
 use kvroute::{StateError, StreamVerdict};
 
 use crate::{bump, log, EngineConfig, Msg, RelayError, Stats};

@@ -10,9 +10,9 @@
 //! [`kvroute_filter::ingest`].
 //!
 //! Receiving, decoding and gap handling are the core's ZMQ subscriber
-//! ([`kvroute::zmq_sub::Subscription`], one per engine). It delivers each batch, decoded once,
-//! to the relay's [`kvroute::zmq_sub::EventSink`], which judges the engine's stream with the
-//! core's [`kvroute::precise::StreamTracker`] (the rules of the filter's index, which sees the
+//! ([`kvroute::Subscription`], one per engine). It delivers each batch, decoded once,
+//! to the relay's [`kvroute::EventSink`], which judges the engine's stream with the
+//! core's [`kvroute::StreamTracker`] (the rules of the filter's index, which sees the
 //! same batches) and forwards every batch it accepts (applied or reset; replayed batches
 //! included, in sequence order) as received. A resync of the subscription reaches the sink
 //! before the batch that starts the stream again: the relay forwards it as a resync notice
@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 pub use config::{EngineConfig, RelayConfig};
-use kvroute::zmq_sub::{SubscribeError, SubscriberStats, Subscription};
+use kvroute::{SubscribeError, SubscriberStats, Subscription};
 
 /// The relay's own counters (the subscriptions count the receiving side).
 #[derive(Debug, Default)]

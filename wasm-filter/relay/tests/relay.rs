@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvroute::zmq_sub::{SubscriberConfig, END_SEQ};
+use kvroute::{SubscriberConfig, END_SEQ};
 use kvroute_relay::{EngineConfig, Relay, RelayConfig};
 
 const EP: &str = "10.0.0.7:8000";

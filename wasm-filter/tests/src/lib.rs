@@ -28,7 +28,7 @@ pub const VM_ID: &str = "kvroute";
 /// Header with the decision JSON (the filter's `debug_decision_header`).
 pub const DECISION: &str = kvroute_filter::config::HEADER_DECISION;
 /// Header with the destination.
-pub const DESTINATION: &str = kvroute::decision::HEADER_DESTINATION;
+pub const DESTINATION: &str = kvroute::HEADER_DESTINATION;
 
 /// Metric pages the test cluster serves, by endpoint (`:authority` of the poll): a page set with
 /// [`Pages::once`] answers one poll, [`Pages::always`] every poll; endpoints without a page

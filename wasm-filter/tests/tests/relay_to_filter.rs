@@ -10,7 +10,7 @@ use std::net::TcpListener;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::{Duration, Instant};
 
-use kvroute::zmq_sub::SubscriberConfig;
+use kvroute::SubscriberConfig;
 use kvroute_relay::{EngineConfig, Relay, RelayConfig};
 use kvroute_wasm_tests::*;
 use serde_json::json;

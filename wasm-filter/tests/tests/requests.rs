@@ -179,7 +179,7 @@ fn saturated_pool_sheds_sheddable_requests_with_429_and_the_reason() {
     let (s, o) = route(&mut host, vm, body, &[("x-kvroute-priority", "-1")]).unwrap();
     assert_eq!(o.local_status, Some(429));
     assert!(o.upstream.is_none(), "a shed request never goes upstream");
-    let reason = o.local_headers.get(kvroute::decision::HEADER_SHED_REASON).unwrap().to_owned();
+    let reason = o.local_headers.get(kvroute::HEADER_SHED_REASON).unwrap().to_owned();
     assert!(!reason.is_empty());
     let (status, answer) = answer(host.stream(s).unwrap());
     assert_eq!(

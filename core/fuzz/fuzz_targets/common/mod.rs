@@ -3,7 +3,7 @@
 //! decision must pass.
 #![allow(dead_code)]
 
-use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Policy, Role, RouteError, Router};
+use kvroute::{Decision, EndpointSpec, MetricsSnapshot, Mode, Outcome, Policy, Role, RouteError, Router};
 
 /// The fleet: decode, colocated and prefill endpoints.
 pub const ENDPOINTS: [(&str, Role); 4] = [
@@ -67,7 +67,7 @@ pub fn router(mode: u8, with_state: bool) -> Router {
         }
         let body = br#"{"model": "m", "prompt": "the quick brown fox jumps over the lazy dog, again and again"}"#;
         if let Ok(d) = r.route_http(body, [("x-session-id", "s1")], 20) {
-            if d.endpoint.is_some() {
+            if d.is_routed() {
                 r.complete(&d.request_id).unwrap_or_else(|e| panic!("complete: {e}"));
             }
         }
@@ -91,19 +91,19 @@ pub fn check(r: &Router, d: Result<Decision, RouteError>) {
         }
     };
     let _ = d.to_json();
-    match (&d.endpoint, &d.shed) {
-        (Some(t), None) => {
-            assert!(known(t), "unknown target {t}");
-            if let Some(p) = &d.prefill_endpoint {
+    match &d.outcome {
+        Outcome::Routed { endpoint, prefill_endpoint, mode } => {
+            assert!(known(endpoint), "unknown target {endpoint}");
+            if let Some(p) = prefill_endpoint {
                 assert!(known(p), "unknown prefill endpoint {p}");
             }
+            assert_eq!(prefill_endpoint.is_some(), *mode == Mode::Disaggregated, "prefill endpoint iff disaggregated");
             assert!((0.0..=1.0).contains(&d.prefix_hit), "prefix hit {}", d.prefix_hit);
             assert_eq!(d.scores.len(), d.endpoints.len());
             r.complete(&d.request_id).unwrap_or_else(|e| panic!("complete {}: {e}", d.request_id));
             assert!(r.complete(&d.request_id).is_err(), "a second complete of {} succeeded", d.request_id);
         }
-        (None, Some(_)) => assert!(d.prefill_endpoint.is_none()),
-        other => panic!("a decision with target and shed {other:?}"),
+        Outcome::Shed(shed) => assert_eq!(shed.status, 429),
     }
 }
 
@@ -113,7 +113,7 @@ pub fn check_stats(r: &Router) {
     let s = r.stats();
     assert_eq!(s.inflight_requests, 0, "{s:?}");
     let n = s.endpoints as u64;
-    let per_endpoint = CAPACITY_BYTES / kvroute::config::NOMINAL_BYTES_PER_MEMBERSHIP;
+    let per_endpoint = CAPACITY_BYTES / kvroute::NOMINAL_BYTES_PER_MEMBERSHIP;
     assert!(s.index.memberships <= n * per_endpoint, "approx index over budget: {s:?}");
     assert!(
         s.precise.index.memberships <= n * per_endpoint + s.precise.speculative_blocks,

@@ -25,11 +25,11 @@ const MIN_EVENT_BYTES: usize = 18;
 /// (array- or map-tagged events) or SGLang.
 ///
 /// Returns the whole batch or an [`EventError`]; never a partial batch and never a panic,
-/// whatever the input. See the [module docs](super) for what is accepted and how values are
+/// whatever the input. See [`EventBatch`](crate::EventBatch) for what is accepted and how values are
 /// mapped.
 ///
 /// ```
-/// use kvroute::events::{decode_batch, KvEvent, Medium};
+/// use kvroute::{decode_batch, KvEvent, Medium};
 ///
 /// // vLLM ≥ 0.24: [ts, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}], 0]
 /// let payload = b"\x93\xcb\x41\xda\x13\x86\x3e\x00\x00\x00\x91\x83\xa4type\xacBlockRemoved\
@@ -45,7 +45,7 @@ const MIN_EVENT_BYTES: usize = 18;
 /// }
 /// // Truncated input is an error, not a partial batch.
 /// assert!(decode_batch(&payload[..payload.len() - 2]).is_err());
-/// # Ok::<(), kvroute::events::EventError>(())
+/// # Ok::<(), kvroute::EventError>(())
 /// ```
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, EventError> {
     let mut r = Reader::new(payload);

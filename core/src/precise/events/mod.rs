@@ -1,88 +1,6 @@
 //! Engine KV-cache events (vLLM and SGLang), decoded from their msgpack wire format.
 //!
-//! The types here are what the event-fed index consumes; [`decode_batch`] turns one ZMQ payload
-//! into an [`EventBatch`] or a typed [`EventError`] (never a partial batch).
-//!
-//! # Wire format accepted
-//!
-//! A payload is one msgpack array `[ts, events, rank?, ...]`: `ts` a float (ints accepted),
-//! `events` an array, `rank` an int or nil (vLLM `data_parallel_rank`, SGLang `attn_dp_rank`),
-//! absent in old vLLM releases. Further trailing elements are skipped, like msgspec does for
-//! `array_like` structs. Each event is either
-//!
-//! - **array-tagged** (vLLM ≤ 0.23): `["BlockStored", block_hashes, parent_block_hash, token_ids,
-//!   block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-//!   kv_cache_spec_sliding_window, ...]`, `["BlockRemoved", block_hashes, medium, group_idx, ...]`,
-//!   `["AllBlocksCleared", ...]`. Only the positions up to `block_size` (stored) / `block_hashes`
-//!   (removed) are required; older releases send fewer trailing positions, later positions are
-//!   skipped;
-//! - **map-tagged** (vLLM ≥ 0.24, SGLang): `{"type": "BlockStored", "block_hashes": [...], ...}`.
-//!   Keys may come in any order; unknown keys are skipped whatever their value
-//!   (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`, future fields such as the proposed
-//!   `block_offsets`). Required: `type`, `block_hashes`, and for `BlockStored` also `token_ids`
-//!   and `block_size`; a missing `parent_block_hash` means "root", a missing `medium` means GPU.
-//!   A repeated key: the last value wins. Decoded optional keys: `extra_keys`, `group_idx`,
-//!   `locality`, `ownership`, `session_id`, `lookahead_token_ids` (vLLM 0.33) and SGLang's
-//!   `cache_salt`, `session_id`.
-//!
-//! # Extra keys, salts and lookahead (what matters for keys)
-//!
-//! - **`extra_keys`** (vLLM, one entry per block, nil or an array) is the *untagged* form of what
-//!   vLLM hashes (checked against vLLM 0.33's `to_event_extra_keys`): per block, in order, the
-//!   LoRA name (a str, on every block when `lora_name` is set), one `(mm_hash, offset)` pair per
-//!   multimodal item overlapping the block (an array; `offset` is the item's start relative to the
-//!   block's first token, so it can be negative), the `cache_salt` (a str, block 0 only, and only
-//!   when non-empty), one prompt-embeds digest (32-byte bin) per block of a prompt-embeds
-//!   request. With lookahead hashing the entry covers the block *and* its lookahead tokens.
-//!   The strings of block 0 give [`BlockStored::cache_salt`] (the first string after the LoRA
-//!   name). Every non-string value of a block is fingerprinted (its raw msgpack bytes, fixed-seed
-//!   XXH3) into [`BlockStored::content_keys`]: a router cannot compute an image's `mm_hash` or an
-//!   embedding's digest from token ids, so such blocks must never be keyed like text blocks.
-//!   Newer SGLang releases put the salt in block 0's `extra_keys` the same way.
-//! - **`cache_salt`** (SGLang's field; SGLang does not fold the salt into its block hashes, it
-//!   namespaces the radix tree): an empty string is no salt, from either place.
-//! - **`lookahead_token_ids`** (vLLM 0.33, `num_hash_lookahead_tokens` = L > 0): per block the L
-//!   tokens after it; vLLM hashes such a block with extra keys `(E, *tokens)`, where `E` is the
-//!   block's extra keys (or `None`). Kept in [`BlockStored::lookahead_token_ids`].
-//! - **`ownership`** (vLLM 0.33 offloading: the secondary tier that produced the event, `None` for
-//!   the primary one) and **`session_id`** are kept; `locality` `"REMOTE"` places the blocks at
-//!   the storage tier (see `medium` below).
-//!
-//! Values:
-//!
-//! - **block hashes**: a msgpack uint (vLLM's default int form), a negative int (SGLang's signed
-//!   int64: its bits are kept, `-1` → `u64::MAX`), or bin (vLLM with
-//!   `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: the sha256 / xxh3-128 digest) of at least 8 bytes,
-//!   reduced to its **last 8 bytes big-endian** — the same `u64` vLLM's int form carries;
-//! - **medium** (ASCII case-insensitive): `GPU` → [`Medium::Gpu`]; `CPU`, `CPU_PINNED` (SGLang L2)
-//!   → [`Medium::Cpu`]; `STORAGE`, `DISK` (SGLang L3), `EXTERNAL` (SGLang L4, shared/remote pool)
-//!   → [`Medium::Storage`]; nil or absent → GPU. Any other string is
-//!   [`EventError::UnknownMedium`]: a tier we cannot place is reported, not guessed (vLLM's own
-//!   Mooncake store connector publishes lowercase `"cpu"`, hence the case-insensitivity);
-//! - **token ids**: ints in `0..=u32::MAX`. SGLang's EAGLE "bigram" pages publish `[t_j, t_j+1]`
-//!   pairs instead; for those the first element (the page's own token) is kept;
-//! - `block_size`, `group_idx`: ints in `0..=u32::MAX`; `lora_id`, rank: any int fitting `i64`.
-//!
-//! # Errors, limits and cost
-//!
-//! Every failure is an [`EventError`] naming the byte offset, and (through [`ErrorSite`]) the
-//! event index and wire field. Declared lengths are checked against the bytes left before
-//! anything is allocated, so a 5-byte header claiming 4 billion elements costs nothing; all
-//! pre-allocation is bounded by a small multiple of the input size. Skipping unknown values is
-//! iterative (no recursion, so no stack overflow on deeply nested input).
-//!
-//! The decoder is a single forward pass over the borrowed bytes: it allocates only the output
-//! (`events`, and per `BlockStored` the hash and token vectors, the optional strings, and the
-//! content keys and lookahead tokens when the event has them).
-//!
-//! # Offload re-announcements and repeated stores
-//!
-//! vLLM 0.33's offloading connector publishes hash-only placeholder stores (`token_ids` `[]`,
-//! `block_size` 0, parent nil) and, with self-describing events, chunk-granular stores that
-//! re-announce shared hashes once per chunk; `kv_cache_report_mode="full"` re-emits GPU
-//! `BlockStored` for prefix hits. They decode like any other event; what they mean for the
-//! index (reference counts on offload tiers, idempotent GPU re-stores, placing hash-only
-//! stores) is the precise index's business (see [`crate::precise`]).
+//! The module is private: its full description is the documentation of [`EventBatch`].
 
 mod decode;
 
@@ -171,6 +89,94 @@ pub enum KvEvent {
 }
 
 /// One published batch: `[ts, events, data_parallel_rank?]`.
+///
+/// ---
+///
+/// Engine KV-cache events (vLLM and SGLang), decoded from their msgpack wire format.
+///
+/// The types here are what the event-fed index consumes; [`decode_batch`] turns one ZMQ payload
+/// into an [`EventBatch`] or a typed [`EventError`] (never a partial batch).
+///
+/// # Wire format accepted
+///
+/// A payload is one msgpack array `[ts, events, rank?, ...]`: `ts` a float (ints accepted),
+/// `events` an array, `rank` an int or nil (vLLM `data_parallel_rank`, SGLang `attn_dp_rank`),
+/// absent in old vLLM releases. Further trailing elements are skipped, like msgspec does for
+/// `array_like` structs. Each event is either
+///
+/// - **array-tagged** (vLLM ≤ 0.23): `["BlockStored", block_hashes, parent_block_hash, token_ids,
+///   block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+///   kv_cache_spec_sliding_window, ...]`, `["BlockRemoved", block_hashes, medium, group_idx, ...]`,
+///   `["AllBlocksCleared", ...]`. Only the positions up to `block_size` (stored) / `block_hashes`
+///   (removed) are required; older releases send fewer trailing positions, later positions are
+///   skipped;
+/// - **map-tagged** (vLLM ≥ 0.24, SGLang): `{"type": "BlockStored", "block_hashes": [...], ...}`.
+///   Keys may come in any order; unknown keys are skipped whatever their value
+///   (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`, future fields such as the proposed
+///   `block_offsets`). Required: `type`, `block_hashes`, and for `BlockStored` also `token_ids`
+///   and `block_size`; a missing `parent_block_hash` means "root", a missing `medium` means GPU.
+///   A repeated key: the last value wins. Decoded optional keys: `extra_keys`, `group_idx`,
+///   `locality`, `ownership`, `session_id`, `lookahead_token_ids` (vLLM 0.33) and SGLang's
+///   `cache_salt`, `session_id`.
+///
+/// # Extra keys, salts and lookahead (what matters for keys)
+///
+/// - **`extra_keys`** (vLLM, one entry per block, nil or an array) is the *untagged* form of what
+///   vLLM hashes (checked against vLLM 0.33's `to_event_extra_keys`): per block, in order, the
+///   LoRA name (a str, on every block when `lora_name` is set), one `(mm_hash, offset)` pair per
+///   multimodal item overlapping the block (an array; `offset` is the item's start relative to the
+///   block's first token, so it can be negative), the `cache_salt` (a str, block 0 only, and only
+///   when non-empty), one prompt-embeds digest (32-byte bin) per block of a prompt-embeds
+///   request. With lookahead hashing the entry covers the block *and* its lookahead tokens.
+///   The strings of block 0 give [`BlockStored::cache_salt`] (the first string after the LoRA
+///   name). Every non-string value of a block is fingerprinted (its raw msgpack bytes, fixed-seed
+///   XXH3) into [`BlockStored::content_keys`]: a router cannot compute an image's `mm_hash` or an
+///   embedding's digest from token ids, so such blocks must never be keyed like text blocks.
+///   Newer SGLang releases put the salt in block 0's `extra_keys` the same way.
+/// - **`cache_salt`** (SGLang's field; SGLang does not fold the salt into its block hashes, it
+///   namespaces the radix tree): an empty string is no salt, from either place.
+/// - **`lookahead_token_ids`** (vLLM 0.33, `num_hash_lookahead_tokens` = L > 0): per block the L
+///   tokens after it; vLLM hashes such a block with extra keys `(E, *tokens)`, where `E` is the
+///   block's extra keys (or `None`). Kept in [`BlockStored::lookahead_token_ids`].
+/// - **`ownership`** (vLLM 0.33 offloading: the secondary tier that produced the event, `None` for
+///   the primary one) and **`session_id`** are kept; `locality` `"REMOTE"` places the blocks at
+///   the storage tier (see `medium` below).
+///
+/// Values:
+///
+/// - **block hashes**: a msgpack uint (vLLM's default int form), a negative int (SGLang's signed
+///   int64: its bits are kept, `-1` → `u64::MAX`), or bin (vLLM with
+///   `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: the sha256 / xxh3-128 digest) of at least 8 bytes,
+///   reduced to its **last 8 bytes big-endian** — the same `u64` vLLM's int form carries;
+/// - **medium** (ASCII case-insensitive): `GPU` → [`Medium::Gpu`]; `CPU`, `CPU_PINNED` (SGLang L2)
+///   → [`Medium::Cpu`]; `STORAGE`, `DISK` (SGLang L3), `EXTERNAL` (SGLang L4, shared/remote pool)
+///   → [`Medium::Storage`]; nil or absent → GPU. Any other string is
+///   [`EventError::UnknownMedium`]: a tier we cannot place is reported, not guessed (vLLM's own
+///   Mooncake store connector publishes lowercase `"cpu"`, hence the case-insensitivity);
+/// - **token ids**: ints in `0..=u32::MAX`. SGLang's EAGLE "bigram" pages publish `[t_j, t_j+1]`
+///   pairs instead; for those the first element (the page's own token) is kept;
+/// - `block_size`, `group_idx`: ints in `0..=u32::MAX`; `lora_id`, rank: any int fitting `i64`.
+///
+/// # Errors, limits and cost
+///
+/// Every failure is an [`EventError`] naming the byte offset, and (through [`ErrorSite`]) the
+/// event index and wire field. Declared lengths are checked against the bytes left before
+/// anything is allocated, so a 5-byte header claiming 4 billion elements costs nothing; all
+/// pre-allocation is bounded by a small multiple of the input size. Skipping unknown values is
+/// iterative (no recursion, so no stack overflow on deeply nested input).
+///
+/// The decoder is a single forward pass over the borrowed bytes: it allocates only the output
+/// (`events`, and per `BlockStored` the hash and token vectors, the optional strings, and the
+/// content keys and lookahead tokens when the event has them).
+///
+/// # Offload re-announcements and repeated stores
+///
+/// vLLM 0.33's offloading connector publishes hash-only placeholder stores (`token_ids` `[]`,
+/// `block_size` 0, parent nil) and, with self-describing events, chunk-granular stores that
+/// re-announce shared hashes once per chunk; `kv_cache_report_mode="full"` re-emits GPU
+/// `BlockStored` for prefix hits. They decode like any other event; what they mean for the
+/// index (reference counts on offload tiers, idempotent GPU re-stores, placing hash-only
+/// stores) is the precise index's business (see [`KvIndex`](crate::KvIndex)).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EventBatch {
     /// Publisher timestamp (seconds).
