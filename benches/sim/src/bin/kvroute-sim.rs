@@ -1,6 +1,6 @@
 //! `kvroute-sim`: compare routing policies on the same workload over a simulated cluster.
 //!
-//! A thin CLI over `kvroute_benches`; see that crate's docs for the model.
+//! A thin CLI over the `kvroute_sim` library; see its docs for the model.
 #![allow(clippy::print_stdout)]
 
 use std::path::PathBuf;
@@ -9,15 +9,15 @@ use std::time::Instant;
 
 use clap::Parser;
 use kvroute::Policy;
-use kvroute_benches::sim::{
+use kvroute_sim::sim::{
     DEFAULT_BATCH_REFERENCE, DEFAULT_CACHE_TOKENS, DEFAULT_ENDPOINTS, DEFAULT_METRICS_INTERVAL_MS,
     DEFAULT_PREFILL_OVERHEAD_MS, DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_TPOT_MS,
 };
-use kvroute_benches::workload::{
+use kvroute_sim::workload::{
     DEFAULT_OUTPUT_TOKENS, DEFAULT_RATE, DEFAULT_SESSIONS, DEFAULT_SYSTEM_TOKENS, DEFAULT_TENANTS, DEFAULT_THINK_MS,
     DEFAULT_TURNS, DEFAULT_USER_TOKENS,
 };
-use kvroute_benches::{
+use kvroute_sim::{
     compare, load_trace, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
     SimError, Span, SyntheticConfig, WorkloadKind,
 };
@@ -234,7 +234,7 @@ fn run(args: &Args) -> Result<(), SimError> {
     );
     println!();
 
-    let mut progress = |p: &kvroute_benches::Progress<'_>| {
+    let mut progress = |p: &kvroute_sim::Progress<'_>| {
         eprintln!(
             "  [{:<12}] {:>3}%  {}/{} requests routed, sim time {:.1} s",
             p.policy,
