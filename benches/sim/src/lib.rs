@@ -1,7 +1,8 @@
 //! # kvroute-sim
 //!
 //! The kvroute simulator toolkit: the trace simulator, the workloads and baseline balancers it
-//! compares kvroute against, its reports and SVG charts.
+//! compares kvroute against, its reports and SVG charts, and the golden-fixture replay the core's
+//! and the filter's tests share.
 //!
 //! - [`sim`]: the simulator. It replays one workload — the built-in synthetic multi-turn agent
 //!   workload ([`workload::synthetic`]) or a JSONL trace ([`workload::load_trace`]) — against a
@@ -12,6 +13,8 @@
 //! - [`policy`]: the policies under simulation (round-robin, least-loaded, kvroute).
 //! - [`workload`]: workloads, token-count ranges ([`Span`]) and workload kinds ([`WorkloadKind`]).
 //! - [`report`] (the results table) and [`svg`] (the results chart).
+//! - [`golden`]: the binding-neutral golden fixtures (`fixtures/golden/`) as typed cases, their
+//!   replay on a surface, the decision view and the expected-vs-actual comparison.
 //!
 //! The `kvroute-sim` binary (feature `cli`, on by default) is a thin CLI over this library.
 //!
@@ -31,6 +34,7 @@
 
 pub mod cache;
 pub mod error;
+pub mod golden;
 pub mod policy;
 pub mod report;
 pub mod sim;
