@@ -10,9 +10,13 @@
 //!   and reports for each the true prefix-cache hit ratio, TTFT percentiles, load imbalance and
 //!   routing cost. The endpoints' caches ([`cache`]) model what the engines really hold, so the
 //!   router's approximate index is judged against the truth rather than against itself.
-//! - [`policy`]: the policies under simulation (round-robin, least-loaded, kvroute).
-//! - [`workload`]: workloads, token-count ranges ([`Span`]) and workload kinds ([`WorkloadKind`]).
-//! - [`report`] (the results table) and [`svg`] (the results chart).
+//! - [`policy`]: the policies under simulation, with the baseline pickers
+//!   ([`RoundRobin`](policy::RoundRobin), [`LeastLoaded`](policy::LeastLoaded)) the reference
+//!   worker's demo runs too.
+//! - [`workload`]: workloads, token-count ranges ([`Span`]) and workload kinds
+//!   ([`WorkloadKind`]), shared with the demo's own workload generator.
+//! - [`report`] (aligned Markdown tables, nearest-rank percentiles) and [`svg`] (a hand-written
+//!   SVG chart writer and the simulator's chart): the demo's report and chart use them as well.
 //! - [`golden`]: the binding-neutral golden fixtures (`fixtures/golden/`) as typed cases, their
 //!   replay on a surface, the decision view and the expected-vs-actual comparison.
 //!

@@ -80,7 +80,7 @@ struct Args {
     endpoints: u32,
     /// Synthetic workload: `agents` (tenants' multi-turn sessions) or `unique` (every request a
     /// prompt of its own: caching gives nothing, only load balancing counts).
-    #[arg(long, default_value_t = WorkloadKind::Agents, value_name = "KIND")]
+    #[arg(long, default_value_t = WorkloadKind::Agents, value_name = "KIND", value_parser = parse_workload)]
     workload: WorkloadKind,
     /// Tenants (synthetic workload), each with its own system prompt and cache_salt.
     #[arg(long, default_value_t = DEFAULT_TENANTS, value_name = "N")]
@@ -143,6 +143,12 @@ struct Args {
     /// Small run (80 sessions unless --sessions is given).
     #[arg(long)]
     quick: bool,
+}
+
+/// `WorkloadKind`'s own parser (case-insensitive, trimmed; its error names both kinds), not the
+/// `clap::ValueEnum` one the `cli` feature also derives for other command lines.
+fn parse_workload(s: &str) -> Result<WorkloadKind, String> {
+    s.parse()
 }
 
 fn main() -> ExitCode {
