@@ -306,7 +306,7 @@ pub(crate) fn run_policy(s: &RunSettings<'_>) -> anyhow::Result<RunResult> {
                 let headers = [("x-request-id", &*p.request_id), ("x-session-id", &*p.req.session)];
                 match r.route_http(&p.body, headers, unix_time_ms()) {
                     Ok(d) => {
-                        let target = d.endpoint().and_then(|e| ids.iter().position(|id| **id == **e));
+                        let target = d.endpoint.as_deref().and_then(|e| ids.iter().position(|id| id == e));
                         match target {
                             Some(w) => (w, Some(d.request_id)),
                             None => {
