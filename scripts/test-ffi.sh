@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tests of the C library libkvroute (ffi/, crate kvroute-ffi; header generator ffi/header):
 #   format, clippy and rustdoc (warnings denied); the Rust unit tests and the header drift check;
-#   libkvroute.so, libkvroute.a and kvroute.pc built; the C tests (ffi/tests/*.c, built with
+#   libkvroute.so, libkvroute.a (links to cargo's libkvroute_ffi.{so,a}; SONAME libkvroute.so) and
+#   kvroute.pc built; the C tests (ffi/tests/*.c, built with
 #   -Wall -Wextra -Werror) under AddressSanitizer + UndefinedBehaviorSanitizer against the static
 #   library and under valgrind (memcheck, leaks are errors) against the shared library; the C
 #   example (shared and static), the Go example (cgo) and the C bench program (a short smoke
@@ -32,12 +33,7 @@ NATIVE="$TARGET_DIR/tmp/native-decisions.tsv"
 step "format, clippy, rustdoc (warnings denied)"
 cargo fmt -p kvroute-ffi -p kvroute-ffi-header -- --check
 cargo clippy "${CRATES[@]}" --all-targets --locked -- -D warnings
-# The C library's lib is named `kvroute` like the core's, so `cargo doc` leaves it out
-# (`doc = false`: both would write target/doc/kvroute); `cargo rustdoc` checks its docs, then the
-# core's docs are written back over it.
-RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute-ffi-header --no-deps --locked --quiet
-cargo rustdoc -p kvroute-ffi --lib --locked --quiet -- -D warnings
-cargo doc -p kvroute --no-deps --locked --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc "${CRATES[@]}" --no-deps --locked --quiet
 
 step "Rust tests: unit tests, header drift check (ffi/include/kvroute.h == cbindgen output), native decisions"
 # ffi/tests/native_decisions.rs writes <target>/tmp/native-decisions.tsv: the golden fixtures'
@@ -48,9 +44,17 @@ cargo test "${CRATES[@]}" --locked
 step "libkvroute.so, libkvroute.a, kvroute.pc"
 cargo build -p kvroute-ffi --locked
 LIBDIR="$TARGET_DIR/debug"
+# The crate's Rust lib is kvroute_ffi: cargo writes libkvroute_ffi.{so,a}; ffi/build.rs links the
+# C names libkvroute.{so,a} to them and gives the shared library the SONAME libkvroute.so.
+for f in libkvroute.so libkvroute.a; do
+  [ "$(readlink "$LIBDIR/$f")" = "${f/libkvroute/libkvroute_ffi}" ] ||
+    { echo "$LIBDIR/$f is not a link to ${f/libkvroute/libkvroute_ffi} (touch ffi/build.rs and build again)" >&2; exit 1; }
+done
 for f in libkvroute.so libkvroute.a kvroute.pc; do
   [ -f "$LIBDIR/$f" ] || { echo "missing $LIBDIR/$f" >&2; exit 1; }
 done
+soname=$(readelf -d "$LIBDIR/libkvroute.so" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
+[ "$soname" = libkvroute.so ] || { echo "SONAME of libkvroute.so is '$soname'" >&2; exit 1; }
 export PKG_CONFIG_PATH="$LIBDIR${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 [ "$(pkg-config --modversion kvroute)" = "$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)" ]
 # Written by ffi/build.rs for the features of the last build here (the default ones: zmq).
@@ -127,6 +131,9 @@ if ldd "$OUT/route-static" | grep -q libkvroute; then
   echo "route-static links libkvroute.so" >&2
   exit 1
 fi
+# Programs record the C name, not cargo's file name.
+needed=$(readelf -d "$OUT/route" | sed -n 's/.*Shared library: \[\(libkvroute[^]]*\)\]/\1/p')
+[ "$needed" = libkvroute.so ] || { echo "route needs '$needed', not libkvroute.so" >&2; exit 1; }
 LD_LIBRARY_PATH="$LIBDIR" "$OUT/route" | tee "$OUT/route.txt"
 "$OUT/route-static" >"$OUT/route-static.txt"
 cmp "$OUT/route.txt" "$OUT/route-static.txt"

@@ -47,7 +47,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute --features "$FEATURES" --no-deps
 step "tests (unit, integration, golden fixtures, property tests, doc tests; default features)"
 # The crates that enable the core's native features (C library, worker, relay, filter tests) are
 # tested in their own steps below, so this build keeps the core's default feature set.
-cargo test -p kvroute -p kvroute-benches -p kvroute-wasm --locked
+cargo test -p kvroute -p kvroute-sim -p kvroute-benches -p kvroute-wasm --locked
 
 step "tests with the native features: ZMQ subscriber (loopback only) and tokenizer"
 cargo test -p kvroute --features "$FEATURES" --locked

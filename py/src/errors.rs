@@ -193,8 +193,8 @@ pub(crate) fn tokenize(py: Python<'_>, e: &kvroute::TokenizeError) -> PyErr {
 }
 
 /// `SimulationError` (or `ConfigError` / `RequestError` for the policy and the workload).
-pub(crate) fn sim(py: Python<'_>, e: &kvroute_benches::SimError) -> PyErr {
-    use kvroute_benches::SimError as E;
+pub(crate) fn sim(py: Python<'_>, e: &kvroute_sim::SimError) -> PyErr {
+    use kvroute_sim::SimError as E;
     let attrs = match e {
         E::Policy(c) => return config(py, c),
         E::Io { path, source } => {

@@ -14,7 +14,7 @@
 //!   built only when accessed, so `route()` costs one core call and one object allocation;
 //! - `Subscription` (src/subscription.rs) runs the core's ZMQ subscriber: a native thread that feeds
 //!   KV events to the router with no Python on the way;
-//! - `simulate` (src/sim.rs) exposes the trace simulator of `kvroute-benches`.
+//! - `simulate` (src/sim.rs) exposes the trace simulator of `kvroute-sim`.
 
 mod convert;
 mod decision;

@@ -1,4 +1,4 @@
-//! `simulate()`: the trace simulator of `kvroute-benches` (what `kvroute-sim` runs), from Python.
+//! `simulate()`: the trace simulator of the `kvroute-sim` crate (what its binary runs), from Python.
 
 use std::path::PathBuf;
 
@@ -6,15 +6,15 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyString};
 
-use kvroute_benches::sim::{
+use kvroute_sim::sim::{
     DEFAULT_BATCH_REFERENCE, DEFAULT_CACHE_TOKENS, DEFAULT_ENDPOINTS, DEFAULT_METRICS_INTERVAL_MS,
     DEFAULT_PREFILL_OVERHEAD_MS, DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_TPOT_MS,
 };
-use kvroute_benches::workload::{
+use kvroute_sim::workload::{
     DEFAULT_OUTPUT_TOKENS, DEFAULT_RATE, DEFAULT_SESSIONS, DEFAULT_SYSTEM_TOKENS, DEFAULT_TENANTS, DEFAULT_THINK_MS,
     DEFAULT_TURNS, DEFAULT_USER_TOKENS,
 };
-use kvroute_benches::{
+use kvroute_sim::{
     compare, load_trace, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
     SimError, Span, SyntheticConfig,
 };

@@ -1,7 +1,8 @@
 //! `kvroute-worker demo`: start a fleet of in-process workers on loopback, replay a seeded
 //! multi-turn agent workload through several routing policies and compare them.
 //!
-//! Policies: `round-robin` and `least-loaded` (the demo's own baselines), `kvroute-approx`
+//! Policies: `round-robin` and `least-loaded` (the simulator toolkit's baselines,
+//! `kvroute_sim::policy`, on the demo's own in-flight counts), `kvroute-approx`
 //! (kvroute's tokenizer-free index of what it sent where) and `kvroute-precise` (kvroute's index
 //! fed by the workers' real ZMQ KV events). Both kvroute modes get every worker's real `/metrics`
 //! page through `Router::update_metrics_from_prometheus`; all decisions are kvroute's own
@@ -33,9 +34,10 @@ pub use runner::PolicyKind;
 
 use calibrate::{CalibrationShape, CostModel};
 use fleet::{Fleet, FleetOptions};
+use kvroute_sim::Span;
+pub use kvroute_sim::WorkloadKind;
 use report::PolicySummary;
-pub use workload::WorkloadKind;
-use workload::{Span, WorkloadSpec};
+use workload::WorkloadSpec;
 
 /// Default number of workers.
 pub const DEFAULT_WORKERS: u32 = 4;

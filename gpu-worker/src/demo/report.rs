@@ -1,6 +1,7 @@
-//! Per-request outcomes, per-policy summaries and the results table.
+//! Per-request outcomes, per-policy summaries and the results table (written with the simulator
+//! toolkit's table writer and nearest-rank percentiles, `kvroute_sim::report`).
 
-use std::fmt::Write as _;
+use kvroute_sim::report::{markdown, nearest_rank};
 
 /// What happened to one request.
 #[derive(Debug, Clone, Default)]
@@ -106,8 +107,7 @@ impl PolicySummary {
         if self.requests == 0 {
             return f64::NAN;
         }
-        let rank = ((q.clamp(0.0, 1.0) * self.requests as f64).ceil() as usize).clamp(1, self.requests);
-        self.ttft_sorted_ms.get(rank - 1).copied().unwrap_or(f64::INFINITY)
+        self.ttft_sorted_ms.get(nearest_rank(q, self.requests) - 1).copied().unwrap_or(f64::INFINITY)
     }
 }
 
@@ -116,8 +116,7 @@ pub(crate) fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
-    let rank = (q.clamp(0.0, 1.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    sorted[nearest_rank(q, sorted.len()) - 1]
 }
 
 fn ms(v: f64) -> String {
@@ -165,36 +164,8 @@ pub(crate) fn table(rows: &[PolicySummary]) -> String {
             ]
         })
         .collect();
-    let widths: Vec<usize> = (0..COLUMNS.len())
-        .map(|c| cells.iter().map(|r| r[c].chars().count()).chain([COLUMNS[c].chars().count()]).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    let line = |out: &mut String, row: &[String]| {
-        out.push('|');
-        for (c, cell) in row.iter().enumerate() {
-            let pad = " ".repeat(widths[c].saturating_sub(cell.chars().count()));
-            if c == 0 || c == COLUMNS.len() - 1 {
-                let _ = write!(out, " {cell}{pad} |");
-            } else {
-                let _ = write!(out, " {pad}{cell} |");
-            }
-        }
-        out.push('\n');
-    };
-    line(&mut out, &COLUMNS.map(str::to_owned));
-    out.push('|');
-    for (c, w) in widths.iter().enumerate() {
-        if c == 0 || c == COLUMNS.len() - 1 {
-            let _ = write!(out, " {} |", "-".repeat(*w));
-        } else {
-            let _ = write!(out, " {}: |", "-".repeat(w.saturating_sub(1)));
-        }
-    }
-    out.push('\n');
-    for r in &cells {
-        line(&mut out, r);
-    }
-    out
+    // Text columns (the policy, the per-worker counts) left-aligned, numbers right.
+    markdown(&COLUMNS, &cells, &[0, COLUMNS.len() - 1])
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! One policy's run: replay the schedule open-loop against a fresh fleet, route every request
-//! (a baseline of the demo's own, or kvroute's `Router`), stream it over HTTP, measure TTFT at
-//! the first streamed token and collect the worker-reported prefix hits.
+//! (a baseline of the simulator toolkit's, `kvroute_sim::policy`, or kvroute's `Router`), stream
+//! it over HTTP, measure TTFT at the first streamed token and collect the worker-reported prefix
+//! hits.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -10,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use kvroute::{unix_clock, unix_time_ms, SubscriberConfig, Subscription};
 use kvroute::{EndpointSpec, Policy, Role, Router};
+use kvroute_sim::policy::{LeastLoaded, RoundRobin};
 
 use super::http;
 use super::report::{percentile, Outcome};
@@ -287,25 +289,18 @@ pub(crate) fn run_policy(s: &RunSettings<'_>) -> anyhow::Result<RunResult> {
     std::thread::sleep(start.saturating_duration_since(Instant::now()));
 
     let mut handles = Vec::with_capacity(s.schedule.len());
-    let mut rr = 0usize;
+    let mut round_robin = RoundRobin::new();
+    let mut least_loaded = LeastLoaded::new();
     let mut route_errors = 0usize;
     for p in s.schedule {
         let due = start + Duration::from_secs_f64(p.req.at_s.max(0.0));
         std::thread::sleep(due.saturating_duration_since(Instant::now()));
         let arrival = due;
         let (worker, request_id) = match (s.kind, &router) {
-            (PolicyKind::RoundRobin, _) => {
-                rr = rr.wrapping_add(1);
-                ((rr - 1) % n, None)
-            }
+            (PolicyKind::RoundRobin, _) => (round_robin.pick(n), None),
             (PolicyKind::LeastLoaded, _) => {
                 // Fewest in flight; ties go to the next worker after the last pick.
-                let pick = (0..n)
-                    .map(|k| (rr + k) % n)
-                    .min_by_key(|&w| shared.inflight[w].load(Ordering::Relaxed))
-                    .unwrap_or(0);
-                rr = pick + 1;
-                (pick, None)
+                (least_loaded.pick(n, |w| shared.inflight[w].load(Ordering::Relaxed)), None)
             }
             (_, Some(r)) => {
                 let headers = [("x-request-id", &*p.request_id), ("x-session-id", &*p.req.session)];

@@ -12,10 +12,13 @@
 //! run, identical for every policy, and never waits on a response (open loop).
 //!
 //! Prompts are token ids (`/v1/completions` with an integer-array prompt), so the workers, the
-//! approximate index and the precise index all see exactly the same tokens.
+//! approximate index and the precise index all see exactly the same tokens. Token-count ranges
+//! ([`Span`]) and the workload kinds ([`WorkloadKind`]) are the simulator toolkit's.
 
 use std::collections::HashSet;
 use std::sync::Arc;
+
+use kvroute_sim::{Span, WorkloadKind};
 
 /// Lowest token id drawn (ids below are left for special tokens).
 const FIRST_TOKEN: u32 = 16;
@@ -57,50 +60,6 @@ impl Rng {
     /// Exponential with the given mean.
     pub(crate) fn exp(&mut self, mean: f64) -> f64 {
         -(1.0 - self.unit()).ln() * mean
-    }
-}
-
-/// Inclusive token-count range.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Span {
-    pub(crate) min: u32,
-    pub(crate) max: u32,
-}
-
-impl Span {
-    pub(crate) const fn new(min: u32, max: u32) -> Span {
-        Span { min, max }
-    }
-}
-
-impl std::fmt::Display for Span {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.min == self.max {
-            write!(f, "{}", self.min)
-        } else {
-            write!(f, "{}-{}", self.min, self.max)
-        }
-    }
-}
-
-/// What the demo's prompts share.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum WorkloadKind {
-    /// Tenants' long shared system prompts and growing agent conversations.
-    #[default]
-    Agents,
-    /// Every request a prompt of its own (system-prompt + first-message length, random tokens,
-    /// one-turn session): caching gives nothing, only load balancing counts.
-    Unique,
-}
-
-impl WorkloadKind {
-    /// The flag value.
-    pub fn name(self) -> &'static str {
-        match self {
-            WorkloadKind::Agents => "agents",
-            WorkloadKind::Unique => "unique",
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Helpers for the kvroute filter's tests and bench in the wasmtime test host
 //! ([`kvroute_wasm_host`]): plugin configurations, metric pages served by a test cluster, request
-//! and event-post drivers, the stats page, and the golden decision view.
+//! and event-post drivers, the stats page, and single golden fixture cases (the whole suite is
+//! replayed with `kvroute_sim::golden`, as the core's tests do).
 //!
 //! The filter is loaded with [`Host::load_kvroute_filter`] (it builds
 //! `kvroute_filter.wasm` with `--profile wasm-release` when needed).
@@ -9,11 +10,12 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
+use kvroute_sim::golden;
 pub use kvroute_wasm_host::{
     CalloutReply, CalloutRequest, HeaderMap, Host, HostError, HttpMessage, LocalReply, Plugin, Stream, StreamId,
     VmConfig, VmId,
 };
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 /// The ORIGINAL_DST cluster the filter polls metrics through (as in `wasm-filter/envoy.yaml`).
 pub const CLUSTER: &str = "kvroute_endpoints";
@@ -309,89 +311,14 @@ pub fn prometheus(m: &Value) -> String {
     page
 }
 
-/// The golden fixtures' decision view (fixtures/golden/README.md) of a decision JSON as the
-/// filter reports it (`kvroute::Decision` serialized).
-pub fn view(d: &Value) -> Value {
-    let headers: Map<String, Value> = d["headers"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|p| Some((p.get(0)?.as_str()?.to_owned(), p.get(1)?.clone()))).collect())
-        .unwrap_or_default();
-    let ids: Vec<String> = d["endpoints"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|e| e.as_str().map(str::to_owned)).collect())
-        .unwrap_or_default();
-    let scores = d["scores"].as_array().cloned().unwrap_or_default();
-    let mut filtered = Map::new();
-    let mut by_ep = Map::new();
-    for (id, s) in ids.iter().zip(&scores) {
-        filtered.insert(id.clone(), s["filtered"].clone());
-        let mut s = s.clone();
-        if let Some(o) = s.as_object_mut() {
-            o.remove("role");
-            o.remove("filtered");
-        }
-        by_ep.insert(id.clone(), s);
-    }
-    json!({
-        "request_id": d["request_id"],
-        "policy_version": d["policy_version"],
-        "rule": d["rule"],
-        "mode": d["mode"],
-        "endpoint": d["endpoint"],
-        "prefill_endpoint": d["prefill_endpoint"],
-        "shed": !d["shed"].is_null(),
-        "status": d["shed"].get("status").cloned().unwrap_or(Value::Null),
-        "headers": headers,
-        "prefix_hit": d["prefix_hit"],
-        "cached_tokens": d["cached_tokens"],
-        "input_tokens": d["input_tokens"],
-        "relaxed_filters": d["relaxed_filters"],
-        "judgment": d["judgment"],
-        "transfer_pays": d["transfer"].get("pays").cloned().unwrap_or(Value::Null),
-        "filtered": filtered,
-        "scores": by_ep,
-    })
-}
-
-/// `expect` matches `actual`: numbers within 1e-9, objects by subset except `headers` (exact).
-pub fn check(path: &str, expect: &Value, actual: &Value, errors: &mut Vec<String>) {
-    match (expect, actual) {
-        (Value::Number(e), Value::Number(a)) => {
-            let (e, a) = (e.as_f64().unwrap_or(f64::NAN), a.as_f64().unwrap_or(f64::NAN));
-            if (e - a).abs() > 1e-9 {
-                errors.push(format!("{path}: expected {e}, got {a}"));
-            }
-        }
-        (Value::Object(e), Value::Object(a)) => {
-            if path.ends_with("headers") && e.len() != a.len() {
-                errors.push(format!("{path}: expected exactly {expect}, got {actual}"));
-                return;
-            }
-            for (k, ev) in e {
-                match a.get(k) {
-                    Some(av) => check(&format!("{path}.{k}"), ev, av, errors),
-                    None => errors.push(format!("{path}.{k}: missing in actual {actual}")),
-                }
-            }
-        }
-        _ if expect == actual => {}
-        _ => errors.push(format!("{path}: expected {expect}, got {actual}")),
-    }
-}
-
-/// Bytes of a hex string (the fixtures' `payload_hex`).
+/// Bytes of a hex string (the fixtures' `payload_hex`); panics when it is not hex.
 pub fn hex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2).filter_map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()).collect()
+    golden::hex(s).unwrap_or_else(|| panic!("not a hex string: {s:?}"))
 }
 
-/// A golden fixture case (`fixtures/golden/<name>.json`), read from the repository.
+/// A golden fixture case (`fixtures/golden/<name>.json`) as plain JSON, read from the repository.
 pub fn golden_case(name: &str) -> Value {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/golden").join(format!("{name}.json"));
-    std::fs::read(&path)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_else(|| panic!("fixture {} unreadable", path.display()))
+    golden::case_json(name).unwrap_or_else(|e| panic!("fixture {name}: {e}"))
 }
 
 /// The `scores` entry of `endpoint` in a decision JSON (`Value::Null` when absent).

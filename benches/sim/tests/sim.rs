@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvroute::Policy;
-use kvroute_benches::{
+use kvroute_sim::{
     compare, prepare, read_jsonl, report, svg, synthetic, write_jsonl, ClusterConfig, PolicyKind, PolicyReport,
     SimError, Span, SyntheticConfig, TraceRequest, WorkloadKind,
 };
@@ -182,8 +182,8 @@ fn jsonl_round_trip_gives_the_same_results() {
 
     // And through a file.
     let path = std::env::temp_dir().join(format!("kvroute-sim-test-{}.jsonl", std::process::id()));
-    kvroute_benches::save_trace(&path, &workload).unwrap();
-    let from_file = kvroute_benches::load_trace(&path);
+    kvroute_sim::save_trace(&path, &workload).unwrap();
+    let from_file = kvroute_sim::load_trace(&path);
     std::fs::remove_file(&path).ok();
     assert_eq!(from_file.unwrap(), workload);
 }

@@ -1,6 +1,6 @@
 //! `kvroute-sim`: compare routing policies on the same workload over a simulated cluster.
 //!
-//! A thin CLI over `kvroute_benches`; see that crate's docs for the model.
+//! A thin CLI over the `kvroute_sim` library; see its docs for the model.
 #![allow(clippy::print_stdout)]
 
 use std::path::PathBuf;
@@ -9,15 +9,15 @@ use std::time::Instant;
 
 use clap::Parser;
 use kvroute::Policy;
-use kvroute_benches::sim::{
+use kvroute_sim::sim::{
     DEFAULT_BATCH_REFERENCE, DEFAULT_CACHE_TOKENS, DEFAULT_ENDPOINTS, DEFAULT_METRICS_INTERVAL_MS,
     DEFAULT_PREFILL_OVERHEAD_MS, DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_TPOT_MS,
 };
-use kvroute_benches::workload::{
+use kvroute_sim::workload::{
     DEFAULT_OUTPUT_TOKENS, DEFAULT_RATE, DEFAULT_SESSIONS, DEFAULT_SYSTEM_TOKENS, DEFAULT_TENANTS, DEFAULT_THINK_MS,
     DEFAULT_TURNS, DEFAULT_USER_TOKENS,
 };
-use kvroute_benches::{
+use kvroute_sim::{
     compare, load_trace, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
     SimError, Span, SyntheticConfig, WorkloadKind,
 };
@@ -80,7 +80,7 @@ struct Args {
     endpoints: u32,
     /// Synthetic workload: `agents` (tenants' multi-turn sessions) or `unique` (every request a
     /// prompt of its own: caching gives nothing, only load balancing counts).
-    #[arg(long, default_value_t = WorkloadKind::Agents, value_name = "KIND")]
+    #[arg(long, default_value_t = WorkloadKind::Agents, value_name = "KIND", value_parser = parse_workload)]
     workload: WorkloadKind,
     /// Tenants (synthetic workload), each with its own system prompt and cache_salt.
     #[arg(long, default_value_t = DEFAULT_TENANTS, value_name = "N")]
@@ -143,6 +143,12 @@ struct Args {
     /// Small run (80 sessions unless --sessions is given).
     #[arg(long)]
     quick: bool,
+}
+
+/// `WorkloadKind`'s own parser (case-insensitive, trimmed; its error names both kinds), not the
+/// `clap::ValueEnum` one the `cli` feature also derives for other command lines.
+fn parse_workload(s: &str) -> Result<WorkloadKind, String> {
+    s.parse()
 }
 
 fn main() -> ExitCode {
@@ -234,7 +240,7 @@ fn run(args: &Args) -> Result<(), SimError> {
     );
     println!();
 
-    let mut progress = |p: &kvroute_benches::Progress<'_>| {
+    let mut progress = |p: &kvroute_sim::Progress<'_>| {
         eprintln!(
             "  [{:<12}] {:>3}%  {}/{} requests routed, sim time {:.1} s",
             p.policy,

@@ -487,8 +487,7 @@ pub fn simulate(
         if ttfts.is_empty() {
             return 0.0;
         }
-        let rank = ((p * ttfts.len() as f64).ceil() as usize).clamp(1, ttfts.len());
-        ttfts[rank - 1] as f64 / 1000.0
+        ttfts[crate::report::nearest_rank(p, ttfts.len()) - 1] as f64 / 1000.0
     };
     let served: Vec<u64> = sim.endpoints.iter().map(|e| e.served).collect();
     let total_served: u64 = served.iter().sum();

@@ -118,16 +118,17 @@ pub const DEFAULT_THINK_MS: f64 = 3_000.0;
 /// Bytes per token of the generated text (the router's default pseudo-token size).
 pub const BYTES_PER_TOKEN: usize = 4;
 
-/// What the synthetic workload's prompts share.
+/// What a workload's prompts share: the simulator's synthetic workload and the reference worker's
+/// demo both come in these two kinds (with feature `cli`, a `clap::ValueEnum` too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum WorkloadKind {
-    /// Multi-turn agent sessions: tenants' shared system prompts and growing conversations.
+    /// Multi-turn agent sessions: tenants' long shared system prompts and growing conversations.
     #[default]
     Agents,
-    /// Every request is a one-turn session with a prompt of its own (its own system prompt and
-    /// cache salt): no request can reuse anything another one sent, so caching gives nothing and
-    /// only load balancing matters. `tenants` and `turns` are ignored.
+    /// Every request a one-turn session with a prompt of its own: no request can reuse anything
+    /// another one sent, so caching gives nothing and only load balancing counts.
     Unique,
 }
 
@@ -169,7 +170,9 @@ impl std::str::FromStr for WorkloadKind {
 /// exactly the same requests at the same times).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SyntheticConfig {
-    /// What the prompts share (agent sessions, or nothing at all).
+    /// What the prompts share (agent sessions, or nothing at all). [`WorkloadKind::Unique`]:
+    /// every request has a system prompt and a cache salt of its own; `tenants` and `turns` are
+    /// ignored.
     pub kind: WorkloadKind,
     /// Tenants (each with its own system prompt and cache salt).
     pub tenants: u32,

@@ -2,7 +2,8 @@
 //!
 //! A policy is a [`PolicyKind`] (its name) plus a [`Balancer`] (its state and its pick). Adding one
 //! is one enum variant, its arm in [`PolicyKind::name`] and [`PolicyKind::balancer`], and a
-//! `Balancer` impl.
+//! `Balancer` impl. The baselines' picks ([`RoundRobin`], [`LeastLoaded`]) work on endpoint
+//! indices alone, so other load generators (the reference worker's demo) run the same ones.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -90,8 +91,8 @@ impl PolicyKind {
     /// kvroute balancer runs.
     pub fn balancer(self, ids: &[String], kvroute: &Policy) -> Result<Box<dyn Balancer>, SimError> {
         Ok(match self {
-            PolicyKind::RoundRobin => Box::new(RoundRobin { next: 0 }),
-            PolicyKind::LeastLoaded => Box::new(LeastLoaded { next: 0 }),
+            PolicyKind::RoundRobin => Box::new(RoundRobin::new()),
+            PolicyKind::LeastLoaded => Box::new(LeastLoaded::new()),
             PolicyKind::Kvroute => Box::new(KvrouteBalancer::new(ids, kvroute.clone())?),
         })
     }
@@ -118,30 +119,60 @@ impl std::str::FromStr for PolicyKind {
     }
 }
 
-struct RoundRobin {
+/// Round-robin: endpoints in turn (0, 1, …, n-1, 0, …). The simulator's `round-robin` policy and
+/// the reference worker's demo baseline.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoundRobin {
     next: usize,
+}
+
+impl RoundRobin {
+    /// Starting at endpoint 0.
+    pub fn new() -> RoundRobin {
+        RoundRobin::default()
+    }
+
+    /// The next of `endpoints` endpoints (0 when there are none).
+    pub fn pick(&mut self, endpoints: usize) -> usize {
+        let e = self.next % endpoints.max(1);
+        self.next = e + 1;
+        e
+    }
+}
+
+/// Least-loaded: the endpoint with the smallest load, ties going to the first one after the
+/// previous pick (so they rotate instead of piling onto endpoint 0). The simulator's
+/// `least-loaded` policy (true outstanding requests) and the reference worker's demo baseline
+/// (requests in flight).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LeastLoaded {
+    next: usize,
+}
+
+impl LeastLoaded {
+    /// No previous pick: ties go to endpoint 0 first.
+    pub fn new() -> LeastLoaded {
+        LeastLoaded::default()
+    }
+
+    /// Pick one of `endpoints` endpoints by `load(endpoint)` (0 when there are none).
+    pub fn pick<K: Ord>(&mut self, endpoints: usize, mut load: impl FnMut(usize) -> K) -> usize {
+        let n = endpoints.max(1);
+        let e = (0..n).map(|i| (self.next + i) % n).min_by_key(|&e| load(e)).unwrap_or(0);
+        self.next = e + 1;
+        e
+    }
 }
 
 impl Balancer for RoundRobin {
     fn pick(&mut self, _req: &SimRequest, loads: &[EndpointLoad], _now_ms: u64) -> Result<Pick, SimError> {
-        let e = self.next % loads.len().max(1);
-        self.next = e + 1;
-        Ok(Pick { endpoint: Some(e), ticket: None })
+        Ok(Pick { endpoint: Some(RoundRobin::pick(self, loads.len())), ticket: None })
     }
-}
-
-struct LeastLoaded {
-    next: usize,
 }
 
 impl Balancer for LeastLoaded {
     fn pick(&mut self, _req: &SimRequest, loads: &[EndpointLoad], _now_ms: u64) -> Result<Pick, SimError> {
-        let n = loads.len().max(1);
-        // Scan starting after the previous pick so ties rotate instead of piling onto endpoint 0.
-        let best =
-            (0..n).map(|i| (self.next + i) % n).min_by_key(|&e| loads.get(e).map_or(u32::MAX, |l| l.outstanding()));
-        let e = best.unwrap_or(0);
-        self.next = e + 1;
+        let e = LeastLoaded::pick(self, loads.len(), |e| loads.get(e).map_or(u32::MAX, EndpointLoad::outstanding));
         Ok(Pick { endpoint: Some(e), ticket: None })
     }
 }
@@ -211,5 +242,31 @@ impl Balancer for KvrouteBalancer {
             parts.push(format!("filters relaxed {:.1}%", 100.0 * self.relaxed as f64 / total as f64));
         }
         Some(format!("rules: {}", parts.join(", ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_robin_cycles() {
+        let mut rr = RoundRobin::new();
+        let picks: Vec<usize> = (0..7).map(|_| rr.pick(3)).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2, 0]);
+        assert_eq!(rr.pick(0), 0);
+    }
+
+    #[test]
+    fn least_loaded_takes_the_minimum_and_rotates_ties() {
+        let mut ll = LeastLoaded::new();
+        let loads = [2u32, 1, 1, 5];
+        assert_eq!(ll.pick(4, |e| loads[e]), 1);
+        assert_eq!(ll.pick(4, |e| loads[e]), 2, "the tie goes to the one after the previous pick");
+        assert_eq!(ll.pick(4, |e| loads[e]), 1);
+        let flat = [0u32; 3];
+        let picks: Vec<usize> = (0..4).map(|_| ll.pick(3, |e| flat[e])).collect();
+        assert_eq!(picks, [2, 0, 1, 2]);
+        assert_eq!(LeastLoaded::new().pick(0, |_| 0), 0);
     }
 }
