@@ -76,6 +76,9 @@ pub struct PolicyConfig {
     pub request: RequestConfig,
     /// Bounds on router-held state.
     pub limits: LimitsConfig,
+    /// Flow control: priority bands, per-tenant fairness, queueing with deadlines (off by
+    /// default).
+    pub flow_control: crate::flow::FlowControlConfig,
 }
 
 /// Index configuration.
@@ -964,7 +967,7 @@ fn validate(c: &PolicyConfig) -> Result<(), ConfigError> {
     if l.inflight_timeout_ms == 0 {
         return Err(ConfigError::invalid("limits.inflight_timeout_ms", 0, "must be > 0"));
     }
-    Ok(())
+    crate::flow::validate(&c.flow_control)
 }
 
 #[cfg(test)]

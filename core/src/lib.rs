@@ -73,6 +73,7 @@ mod decision;
 mod effect;
 mod endpoints;
 mod error;
+mod flow;
 mod index;
 mod metrics;
 mod precise;
@@ -116,6 +117,18 @@ pub use config::{
     DEFAULT_RISK_TOKEN_THRESHOLDS, DEFAULT_SHORT_OUTPUT_MAX_TOKENS, DEFAULT_SPECULATIVE_TTL_MS,
     DEFAULT_TIER_WEIGHT_CPU, DEFAULT_TIER_WEIGHT_GPU, DEFAULT_TIER_WEIGHT_STORAGE, MAX_ENDPOINTS_LIMIT,
     NOMINAL_BYTES_PER_MEMBERSHIP,
+};
+
+// Flow control.
+pub use flow::{
+    Admission, AttainedServiceConfig, BandDefaults, BandStats, DropReason, FairnessFallback, FairnessPolicy,
+    FlowControlConfig, FlowCounters, FlowStats, OrderingPolicy, PriorityBandConfig, Rejection, RejectionCounts,
+    Release, ReleaseOutcome, SaturationDetectorConfig, SaturationReport, SheddingConfig, Ticket,
+    DEFAULT_BAND_MAX_BYTES, DEFAULT_FLOW_MAX_BYTES, DEFAULT_FLOW_MAX_REQUESTS, DEFAULT_KV_CACHE_UTIL_THRESHOLD,
+    DEFAULT_METRICS_FAIRNESS_IDS, DEFAULT_NO_ENDPOINTS_TTL_MS, DEFAULT_OUTPUT_TOKEN_WEIGHT,
+    DEFAULT_QUEUE_DEPTH_THRESHOLD, DEFAULT_REQUEST_TTL_MS, DEFAULT_SATURATION_CEILING, DEFAULT_SERVICE_HALF_LIFE_MS,
+    DEFAULT_SHED_K, DEFAULT_SHED_POWER, DEFAULT_UNBOUNDED_OUTPUT_TOKENS, HEADER_DROPPED_REASON, LABEL_MIN_REQUESTS,
+    MAX_FLOW_TTL_MS, MAX_PRIORITY_BANDS,
 };
 
 // Errors.
