@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
-use super::config::{BandParams, FairnessFallback, FlowControlConfig, MAX_PRIORITY_BANDS};
+use super::config::{BandParams, FairnessFallback, FairnessPolicy, FlowControlConfig, MAX_PRIORITY_BANDS};
 use super::fairness::BandQueues;
 use super::metrics::{FlowMetrics, Outcome};
 use super::ordering::{self, Item, NO_DEADLINE};
@@ -378,7 +378,10 @@ impl FlowController {
             if sat.value() >= self.bands[b].ceiling {
                 break;
             }
-            let scale = self.service_scale(f, now);
+            let scale = match self.bands[b].params.fairness {
+                FairnessPolicy::AttainedService => self.service_scale(f, now),
+                _ => 0.0,
+            };
             let FlowController { bands, slots, .. } = self;
             let live = |it: &Item| Self::live(slots, it.seq, it.slot);
             let cost = |it: &Item| slots[it.slot as usize].entry.as_ref().map_or(0.0, |e| e.cost * scale);
@@ -445,16 +448,23 @@ impl FlowController {
     /// Expire, then dispatch: one dispatch opportunity.
     pub fn pump(&mut self, ctx: &Ctx<'_>, now_ms: u64) {
         let now = self.advance(now_ms);
-        if self.queued == 0 {
-            return;
+        if self.queued > 0 {
+            self.opportunity(ctx, now);
         }
-        let f = ctx.flow();
+    }
+
+    /// Expire and dispatch at `now`; returns the saturation after the releases.
+    fn opportunity(&mut self, ctx: &Ctx<'_>, now: u64) -> Saturation {
         let mut sat = self.measure(ctx, now);
-        self.expire(f, sat.no_endpoints(), now);
-        if !sat.no_endpoints() {
-            self.dispatch(f, &mut sat, now);
+        if self.queued > 0 {
+            let f = ctx.flow();
+            self.expire(f, sat.no_endpoints(), now);
+            if !sat.no_endpoints() {
+                self.dispatch(f, &mut sat, now);
+            }
+            self.maybe_compact(ctx, now);
         }
-        self.maybe_compact(ctx, now);
+        sat
     }
 
     fn maybe_compact(&mut self, ctx: &Ctx<'_>, now: u64) {
@@ -524,14 +534,13 @@ impl FlowController {
         if self.shutdown {
             return self.reject(DropReason::RejectedShuttingDown, fairness, priority);
         }
-        self.pump(ctx, now_ms);
         let now = self.advance(now_ms);
+        let sat = self.opportunity(ctx, now);
         let b = self.band_for(f, priority) as usize;
         let input = req.input_tokens(ctx.policy.index.bytes_per_token);
         let output = u64::from(req.effective_max_tokens().unwrap_or(f.attained_service.unbounded_output_tokens));
         let tokens = input.saturating_add(output);
         let cost = input as f64 + f.attained_service.output_token_weight * output as f64;
-        let sat = self.measure(ctx, now);
         if sat.no_endpoints() {
             if f.no_endpoints_ttl_ms == 0 {
                 return self.reject(DropReason::RejectedNoEndpoints, fairness, priority);
@@ -543,11 +552,14 @@ impl FlowController {
                 self.order.iter().map(|&o| o as usize).take_while(|&o| o != b).any(|o| self.bands[o].queued > 0)
                     || self.bands[b].queued > 0;
             if !blocked && sat.value() < self.bands[b].ceiling {
-                let scale = self.service_scale(f, now);
-                let before = self.bands[b].queues.flows.len();
-                let flow = self.bands[b].queues.flow(fairness);
-                self.flows_total += (self.bands[b].queues.flows.len() - before) as u64;
-                self.bands[b].queues.charge(flow, cost * scale);
+                if self.bands[b].params.fairness == FairnessPolicy::AttainedService {
+                    // Service attained at once counts as much as service after a wait.
+                    let scale = self.service_scale(f, now);
+                    let before = self.bands[b].queues.flows.len();
+                    let flow = self.bands[b].queues.flow(fairness);
+                    self.flows_total += (self.bands[b].queues.flows.len() - before) as u64;
+                    self.bands[b].queues.charge(flow, cost * scale);
+                }
                 self.add_pending(now, tokens);
                 self.counters.admitted += 1;
                 self.metrics.observe(fairness, self.bands[b].priority, Outcome::Dispatched, 0);

@@ -3,9 +3,9 @@
 //!
 //! Fairness ids come from request headers, so they are unbounded: only the first
 //! `flow_control.metrics_fairness_ids` ids to reach [`LABEL_MIN_REQUESTS`] requests get their own
-//! label (counted approximately, with a space-saving table of a few times that many candidates);
-//! a label once given is never taken back, so every series only grows. Every other id is
-//! `other`.
+//! label (counted in a bounded table of candidates whose counts are halved whenever it fills, so
+//! a steady tenant gets there and a flood of one-off ids does not); a label once given is never
+//! taken back, so every series only grows. Every other id is `other`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -64,8 +64,8 @@ pub(crate) struct FlowMetrics {
     /// Label names; index 0 is `other`.
     labels: Vec<Arc<str>>,
     label_of: HashMap<Arc<str>, u32, Xxh3DefaultBuilder>,
-    /// Space-saving candidates (ids without a label yet): (count, possible over-count).
-    candidates: HashMap<Arc<str>, (u64, u64), Xxh3DefaultBuilder>,
+    /// Candidates (ids without a label yet) and their decayed counts.
+    candidates: HashMap<Arc<str>, u64, Xxh3DefaultBuilder>,
     /// (label, priority, outcome) → histogram.
     hists: BTreeMap<(u32, i32, Outcome), Histogram>,
 }
@@ -99,29 +99,20 @@ impl FlowMetrics {
         if self.labels.len() > self.max_labels {
             return 0;
         }
-        let (count, error) = match self.candidates.get_mut(id) {
+        let count = match self.candidates.get_mut(id) {
             Some(c) => {
-                c.0 += 1;
+                *c += 1;
                 *c
             }
             None => {
-                let mut start = (1, 0);
                 if self.candidates.len() >= self.candidate_capacity() {
-                    // Space saving: the newcomer replaces the least counted candidate and
-                    // inherits its count as the possible error of its own.
-                    let min = self.candidates.iter().min_by(|a, b| a.1 .0.cmp(&b.1 .0).then(a.0.cmp(b.0)));
-                    if let Some((k, c)) = min {
-                        let (k, c) = (k.clone(), c.0);
-                        self.candidates.remove(&k);
-                        start = (c + 1, c);
-                    }
+                    self.decay_candidates();
                 }
-                self.candidates.insert(Arc::from(id), start);
-                start
+                self.candidates.insert(Arc::from(id), 1);
+                1
             }
         };
-        // A label needs the guaranteed count (count − error) to reach the minimum.
-        if count - error >= LABEL_MIN_REQUESTS {
+        if count >= LABEL_MIN_REQUESTS {
             self.candidates.remove(id);
             let l = self.labels.len() as u32;
             let name: Arc<str> = Arc::from(id);
@@ -130,6 +121,19 @@ impl FlowMetrics {
             return l;
         }
         0
+    }
+
+    /// The candidate table is full: halve every count, dropping those that reach 0, until it is
+    /// at most half full. Counts only ever go down, so a flood of one-off ids cannot make an id
+    /// look frequent; an id seen steadily keeps its count. O(1) amortized per new id.
+    fn decay_candidates(&mut self) {
+        let half = self.candidate_capacity() / 2;
+        while self.candidates.len() > half {
+            self.candidates.retain(|_, c| {
+                *c /= 2;
+                *c > 0
+            });
+        }
     }
 
     /// Record a request that spent `waited_ms` in flow control (0 when admitted or rejected at
