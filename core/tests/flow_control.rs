@@ -322,6 +322,31 @@ fn queue_ttl_outcomes_and_http_codes() {
 }
 
 #[test]
+fn next_flow_deadline_says_when_to_tick() {
+    let f = concurrency(1, serde_json::json!({"default_request_ttl_ms": 1000, "no_endpoints_ttl_ms": 300}));
+    let mut c = core(f, ONE);
+    assert_eq!(c.next_flow_deadline(), None, "nothing queued");
+    // Admitted, not routed yet: its load lapses after a second, but nothing is queued.
+    assert_eq!(c.admit(&tenant(&c, "t", 0), 10, 0), Admission::Admit);
+    assert_eq!(c.next_flow_deadline(), None);
+    let t = queued(c.admit(&tenant(&c, "t", 0), 10, 100));
+    assert_eq!(c.next_flow_deadline(), Some(1000), "the unrouted admission's load lapses first");
+    c.route(&tenant(&c, "t", 0), 101).unwrap();
+    assert_eq!(c.next_flow_deadline(), Some(1100), "then the TTL");
+    c.set_healthy("10.0.0.1:8000", false).unwrap();
+    assert_eq!(c.next_flow_deadline(), Some(400), "empty pool: the no-endpoint TTL");
+    let rs = c.take_releases(400);
+    assert_eq!(
+        rs.iter().map(|r| (r.ticket, r.outcome.rejection())).collect::<Vec<_>>(),
+        vec![(t, Some(Rejection::new(DropReason::RejectedNoEndpoints)))]
+    );
+    assert_eq!(c.next_flow_deadline(), None);
+    // Off: never.
+    c.reload_str("{}").unwrap();
+    assert_eq!(c.next_flow_deadline(), None);
+}
+
+#[test]
 fn ttl_expiry_while_the_pool_is_empty_is_503() {
     let f = concurrency(1, serde_json::json!({"default_request_ttl_ms": 100, "no_endpoints_ttl_ms": 5000}));
     let mut c = core(f, ONE);

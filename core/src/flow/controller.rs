@@ -500,10 +500,12 @@ impl FlowController {
                 p < 0 && p < priority
             })
             .collect();
-        let (n, by): (u64, u64) =
-            victim_bands.iter().fold((0, 0), |(n, by), &b| (n + self.bands[b].queued, by + self.bands[b].bytes));
+        let (n, by): (u64, u64) = victim_bands
+            .iter()
+            .fold((0, 0), |(n, by), &b| (n + self.bands[b].queued, by.saturating_add(self.bands[b].bytes)));
         let need_requests = if f.max_requests == 0 { 0 } else { (self.queued + 1).saturating_sub(f.max_requests) };
-        let need_bytes = if f.max_bytes == 0 { 0 } else { (self.queued_bytes + bytes).saturating_sub(f.max_bytes) };
+        let need_bytes =
+            if f.max_bytes == 0 { 0 } else { self.queued_bytes.saturating_add(bytes).saturating_sub(f.max_bytes) };
         if need_requests > n || need_bytes > by {
             return false;
         }
@@ -632,12 +634,12 @@ impl FlowController {
         band.queues.push(flow, Item { key, seq: e.seq, slot });
         band.fifo.push_back((e.seq, slot));
         band.queued += 1;
-        band.bytes += e.bytes;
+        band.bytes = band.bytes.saturating_add(e.bytes);
         if e.expires_ms != NO_DEADLINE {
             self.expiry.push(Reverse((e.expires_ms, e.seq, slot)));
         }
         self.queued += 1;
-        self.queued_bytes += e.bytes;
+        self.queued_bytes = self.queued_bytes.saturating_add(e.bytes);
         let s = &mut self.slots[slot as usize];
         s.entry = Some(e);
         ticket(s.gen, slot)
@@ -792,6 +794,32 @@ impl FlowController {
             return;
         }
         self.rebuild(ctx, now, true);
+    }
+
+    /// When flow control will next act without any other call: the soonest queue deadline (TTL),
+    /// no-endpoint deadline (while the pool is empty) or lapse of a released request's load;
+    /// `None` when nothing is queued. It may be early (a deadline of a request that left
+    /// meanwhile), never late.
+    pub fn next_deadline(&self, ctx: &Ctx<'_>) -> Option<u64> {
+        if self.queued == 0 {
+            return None;
+        }
+        let ttl = self.expiry.peek().map(|&Reverse((at, _, _))| at);
+        let pending = self.pending.front().map(|&(at, _)| at.saturating_add(PENDING_GRACE_MS));
+        let no_endpoints = saturation::measure(ctx.policy, ctx.endpoints, self.last_now).no_endpoints();
+        let empty_pool = if no_endpoints {
+            let ne = ctx.flow().no_endpoints_ttl_ms;
+            let oldest = self
+                .order
+                .iter()
+                .filter_map(|&b| self.bands[b as usize].fifo.front())
+                .filter_map(|&(_, slot)| self.slots.get(slot as usize)?.entry.as_ref().map(|e| e.enqueue_ms))
+                .min();
+            oldest.map(|t| t.saturating_add(ne))
+        } else {
+            None
+        };
+        [ttl, pending, empty_pool].into_iter().flatten().min()
     }
 
     /// The pool's saturation at `now_ms`, as flow control sees it.

@@ -149,8 +149,10 @@ impl Rejection {
 ///    - [`Admission::Rejected`]`(r)`: answer `r.status` with the header `r.header()`; done.
 /// 2. **Dispatch opportunities.** After anything that may free capacity or time out a request —
 ///    a completion (`complete`), a metrics update, an endpoint added or made healthy, a reload,
-///    or a timer (`tick`, every 10–100 ms while anything is queued) — call
-///    `take_releases(now_ms)`. Each [`Release`] ends one ticket:
+///    or a timer — call `take_releases(now_ms)`. For the timer, `next_flow_deadline()` says when
+///    flow control would next act on its own (a TTL, the no-endpoint TTL, a release's load
+///    lapsing): arm one timer for it, or tick every 10–100 ms while anything is queued. Each
+///    [`Release`] ends one ticket:
 ///    - [`ReleaseOutcome::Dispatched`]: route the held request now;
 ///    - [`ReleaseOutcome::Dropped`]`(r)`: answer `r.status` with `r.header()`.
 ///
@@ -191,6 +193,14 @@ impl Admission {
             _ => None,
         }
     }
+
+    /// The rejection, when refused.
+    pub fn rejection(&self) -> Option<Rejection> {
+        match self {
+            Admission::Rejected(r) => Some(*r),
+            _ => None,
+        }
+    }
 }
 
 /// How a held request's wait ended.
@@ -201,6 +211,16 @@ pub enum ReleaseOutcome {
     Dispatched,
     /// Answer the client with the rejection.
     Dropped(Rejection),
+}
+
+impl ReleaseOutcome {
+    /// The rejection, when dropped.
+    pub fn rejection(&self) -> Option<Rejection> {
+        match self {
+            ReleaseOutcome::Dropped(r) => Some(*r),
+            ReleaseOutcome::Dispatched => None,
+        }
+    }
 }
 
 /// One ticket's end (see [`Admission`] for the protocol).

@@ -82,6 +82,19 @@ impl RouterCore {
         self.flow.shutdown(now);
     }
 
+    /// When to call [`tick`](RouterCore::tick) next if nothing else happens: the soonest time
+    /// flow control would act on its own (a queue TTL, the no-endpoint TTL while the pool is
+    /// empty, a released request's load lapsing); `None` when nothing is queued (or flow control
+    /// is off). Bindings can arm one timer for it instead of polling; it may be early, never late.
+    /// Completions, metrics updates and endpoint changes are opportunities of their own.
+    pub fn next_flow_deadline(&self) -> Option<u64> {
+        let policy = self.active.policy.config();
+        if !policy.flow_control.enabled {
+            return None;
+        }
+        self.flow.next_deadline(&Ctx { policy, endpoints: &self.endpoints })
+    }
+
     /// Flow control's queues and counters.
     pub fn flow_stats(&self) -> FlowStats {
         self.flow.stats(self.active.policy.config().flow_control.enabled)

@@ -339,6 +339,11 @@ impl Router {
         self.lock().shutdown_queue();
     }
 
+    /// When to tick next if nothing else happens (see [`RouterCore::next_flow_deadline`]).
+    pub fn next_flow_deadline(&self) -> Option<u64> {
+        self.lock().next_flow_deadline()
+    }
+
     /// Flow control's queues and counters.
     pub fn flow_stats(&self) -> FlowStats {
         self.lock().flow_stats()
