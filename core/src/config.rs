@@ -365,7 +365,8 @@ impl Default for MetricsConfig {
     }
 }
 
-/// Admission control.
+/// Admission control (with flow control off; with `flow_control.enabled`, flow control's own
+/// detector and shedding apply instead and routing sheds nothing).
 ///
 /// Pool saturation = mean over healthy decode-capable endpoints of
 /// `max(waiting / queue_threshold, kv_usage / kv_threshold)`, an endpoint with stale or missing

@@ -372,8 +372,7 @@ impl FlowController {
 
     /// Dispatch while the first band with queued requests is below its ceiling.
     fn dispatch(&mut self, f: &FlowControlConfig, sat: &mut Saturation, now: u64) {
-        loop {
-            let Some(b) = self.order.iter().copied().find(|&b| self.bands[b as usize].queued > 0) else { break };
+        while let Some(b) = self.order.iter().copied().find(|&b| self.bands[b as usize].queued > 0) {
             let b = b as usize;
             if sat.value() >= self.bands[b].ceiling {
                 break;
