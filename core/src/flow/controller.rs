@@ -38,8 +38,9 @@ const MIN_CEILING: f64 = 0.05;
 const RESCALE_HALF_LIVES: f64 = 64.0;
 /// Compaction when stale heap entries (or idle flows) exceed twice the live requests plus this.
 const COMPACT_SLACK: u64 = 4096;
-/// Idle flows whose attained service is kept over a compaction, per band, at most.
-const RETAINED_IDLE_FLOWS: usize = 4096;
+/// Idle flows whose attained service is kept over a compaction, at most (half the slack, so a
+/// compaction always ends below the bound that starts the next one).
+const RETAINED_IDLE_FLOWS: usize = (COMPACT_SLACK / 2) as usize;
 
 /// What the controller reads from the router: the policy and the endpoint table.
 pub(crate) struct Ctx<'a> {
@@ -562,6 +563,7 @@ impl FlowController {
                     self.bands[b].queues.charge(flow, cost * scale);
                 }
                 self.add_pending(now, tokens);
+                self.maybe_compact(ctx, now);
                 self.counters.admitted += 1;
                 self.metrics.observe(fairness, self.bands[b].priority, Outcome::Dispatched, 0);
                 return Admission::Admit;
@@ -727,19 +729,19 @@ impl FlowController {
         // Attained service worth keeping: flows with queued requests, and the most served idle
         // ones (more than one token of decayed service left).
         let mut kept: Vec<(i32, Arc<str>, f64)> = Vec::new();
+        let mut idle: Vec<(i32, Arc<str>, f64)> = Vec::new();
         for band in &self.bands {
-            let mut idle: Vec<(Arc<str>, f64)> = Vec::new();
             for fl in &band.queues.flows {
                 if fl.queued > 0 {
                     kept.push((band.priority, fl.id.clone(), fl.service));
                 } else if fl.service / scale > 1.0 {
-                    idle.push((fl.id.clone(), fl.service));
+                    idle.push((band.priority, fl.id.clone(), fl.service));
                 }
             }
-            idle.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            idle.truncate(RETAINED_IDLE_FLOWS);
-            kept.extend(idle.into_iter().map(|(id, s)| (band.priority, id, s)));
         }
+        idle.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+        idle.truncate(RETAINED_IDLE_FLOWS);
+        kept.extend(idle);
         let mut entries: Vec<(u32, Entry, Arc<str>)> = Vec::with_capacity(self.queued as usize);
         let order = self.live_in_order();
         for slot in order {
@@ -909,5 +911,66 @@ impl FlowController {
         }
         // Releases not taken yet are recorded when taken.
         self.metrics.expose(e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Policy;
+    use crate::endpoints::{EndpointSpec, Role};
+
+    fn setup(flow: &str) -> (Policy, EndpointTable) {
+        let p = Policy::from_json(&format!(r#"{{"flow_control":{flow}}}"#)).unwrap();
+        let mut t = EndpointTable::default();
+        t.insert(&EndpointSpec::new("10.0.0.1:1", Role::Decode), |_| true);
+        (p, t)
+    }
+
+    fn req(id: &str) -> RouteRequest {
+        let mut r = RouteRequest::text("m", "hello");
+        r.fairness_id = Some(id.to_owned());
+        r
+    }
+
+    #[test]
+    fn idle_flows_are_forgotten() {
+        let (p, t) = setup(
+            r#"{"enabled":true,"saturation_detector":{"kind":"concurrency","max_requests_per_endpoint":1000000},
+                "default_priority_band":{"fairness_policy":"attained_service"}}"#,
+        );
+        let ctx = Ctx { policy: p.config(), endpoints: &t };
+        let mut c = FlowController::new(p.config());
+        for i in 0..20_000u64 {
+            assert_eq!(c.admit(&ctx, &req(&format!("tenant-{i}")), 10, i), Admission::Admit);
+            c.routed();
+        }
+        assert!(c.flows_total <= 2 * c.queued + COMPACT_SLACK, "{}", c.flows_total);
+    }
+
+    #[test]
+    fn stale_entries_are_compacted_and_tickets_stay_unique() {
+        let (p, t) = setup(
+            r#"{"enabled":true,"max_requests":0,"saturation_detector":{"kind":"concurrency","max_requests_per_endpoint":1}}"#,
+        );
+        let ctx = Ctx { policy: p.config(), endpoints: &t };
+        let mut c = FlowController::new(p.config());
+        assert_eq!(c.admit(&ctx, &req("a"), 10, 0), Admission::Admit);
+        let mut seen = std::collections::BTreeSet::new();
+        let keep = c.admit(&ctx, &req("keep"), 10, 0);
+        let keep = keep.ticket().unwrap_or_else(|| panic!("{keep:?}"));
+        for i in 0..50_000u64 {
+            // At one instant: the first admission's load (never routed) keeps the pool full.
+            let tk = c.admit(&ctx, &req(&format!("t{}", i % 100)), 10, 0).ticket().unwrap();
+            assert_ne!(tk.0, 0);
+            assert!(seen.insert(tk), "ticket {tk} issued twice");
+            assert!(c.cancel(tk));
+        }
+        assert_eq!(c.queued, 1);
+        let held: usize = c.bands.iter().map(|b| b.queues.held() + b.fifo.len()).sum::<usize>() + c.expiry.len();
+        assert!(held < 3 * (2 * COMPACT_SLACK as usize), "stale entries kept: {held}");
+        assert!(c.slots.len() <= 3, "slots are reused: {}", c.slots.len());
+        // The survivor kept its ticket through the compactions.
+        assert!(c.cancel(keep));
     }
 }
