@@ -55,24 +55,25 @@ impl std::fmt::Display for Ticket {
 /// [`HEADER_DROPPED_REASON`]; llm-d's reasons).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[repr(u8)]
 pub enum DropReason {
     /// `rejected-saturated` (429): the queue is full (global or band limit), or a sheddable
     /// request was shed before queueing.
-    RejectedSaturated,
+    RejectedSaturated = 1,
     /// `rejected-ttl-expired` (429): the request waited its whole queue TTL.
-    RejectedTtlExpired,
+    RejectedTtlExpired = 2,
     /// `rejected-no-endpoints` (503): the pool has no healthy decode-capable endpoint (at
     /// admission with `no_endpoints_ttl_ms` 0, or after waiting that long, or its TTL ran out
     /// while the pool was empty).
-    RejectedNoEndpoints,
+    RejectedNoEndpoints = 3,
     /// `rejected-shutting-down` (503): [`RouterCore::shutdown_queue`](crate::RouterCore::shutdown_queue).
-    RejectedShuttingDown,
+    RejectedShuttingDown = 4,
     /// `evicted-priority` (429): a queued sheddable request made room for a higher-priority one
     /// when the queue was full.
-    EvictedPriority,
+    EvictedPriority = 5,
     /// `evicted-queue-pressure` (429): a reload lowered the limits below what was queued; the
     /// lowest-priority, newest requests went.
-    EvictedQueuePressure,
+    EvictedQueuePressure = 6,
 }
 
 impl DropReason {
@@ -110,6 +111,13 @@ impl DropReason {
     /// Parse a header value.
     pub fn from_name(name: &str) -> Option<DropReason> {
         DropReason::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
+    /// A stable number for the C ABI and other bindings: 1 `rejected-saturated`, 2
+    /// `rejected-ttl-expired`, 3 `rejected-no-endpoints`, 4 `rejected-shutting-down`, 5
+    /// `evicted-priority`, 6 `evicted-queue-pressure` (0 is never a reason).
+    pub fn code(self) -> u8 {
+        self as u8
     }
 }
 
@@ -228,7 +236,9 @@ impl ReleaseOutcome {
 pub struct Release {
     /// The ticket [`Admission::Queued`] returned.
     pub ticket: Ticket,
-    /// Route it, or answer with a rejection.
+    /// Route it, or answer with a rejection (in JSON flattened: `"outcome": "dispatched"` or
+    /// `"outcome": "dropped", "rejection": {…}`).
+    #[serde(flatten)]
     pub outcome: ReleaseOutcome,
     /// How long it waited in the queue, milliseconds.
     pub waited_ms: u64,
@@ -350,4 +360,53 @@ pub struct FlowStats {
     pub bands: Vec<BandStats>,
     /// Counters.
     pub counters: FlowCounters,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_have_names_codes_and_statuses() {
+        let names: Vec<(&str, u8, u16)> = DropReason::ALL.iter().map(|r| (r.as_str(), r.code(), r.status())).collect();
+        assert_eq!(
+            names,
+            vec![
+                ("rejected-saturated", 1, 429),
+                ("rejected-ttl-expired", 2, 429),
+                ("rejected-no-endpoints", 3, 503),
+                ("rejected-shutting-down", 4, 503),
+                ("evicted-priority", 5, 429),
+                ("evicted-queue-pressure", 6, 429),
+            ]
+        );
+        for r in DropReason::ALL {
+            assert_eq!(DropReason::from_name(r.as_str()), Some(r));
+        }
+        assert_eq!(DropReason::from_name("nope"), None);
+    }
+
+    #[test]
+    fn json_shapes_for_the_bindings() {
+        let rej = Rejection::new(DropReason::RejectedTtlExpired);
+        let a = serde_json::to_value(Admission::Queued(Ticket(7))).unwrap();
+        assert_eq!(a, serde_json::json!({"admission": "queued", "value": 7}));
+        let a = serde_json::to_value(Admission::Rejected(rej)).unwrap();
+        assert_eq!(
+            a,
+            serde_json::json!({"admission": "rejected", "value": {"status": 429, "reason": "rejected-ttl-expired"}})
+        );
+        assert_eq!(serde_json::to_value(Admission::Admit).unwrap(), serde_json::json!({"admission": "admit"}));
+        let r = Release { ticket: Ticket(9), outcome: ReleaseOutcome::Dropped(rej), waited_ms: 30 };
+        assert_eq!(
+            serde_json::to_value(r).unwrap(),
+            serde_json::json!({"ticket": 9, "outcome": "dropped", "rejection": {"status": 429, "reason": "rejected-ttl-expired"}, "waited_ms": 30})
+        );
+        let r = Release { ticket: Ticket(9), outcome: ReleaseOutcome::Dispatched, waited_ms: 0 };
+        assert_eq!(
+            serde_json::to_value(r).unwrap(),
+            serde_json::json!({"ticket": 9, "outcome": "dispatched", "waited_ms": 0})
+        );
+        assert_eq!(rej.header(), (HEADER_DROPPED_REASON, "rejected-ttl-expired"));
+    }
 }
