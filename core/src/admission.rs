@@ -46,6 +46,7 @@ mod tests {
             healthy: true,
             metrics: m,
             inflight: 0,
+            inflight_tokens: 0,
             last_assigned_ms: None,
             waiting_now: 0,
             kv_usage_now: 0.0,

@@ -76,6 +76,9 @@ pub struct PolicyConfig {
     pub request: RequestConfig,
     /// Bounds on router-held state.
     pub limits: LimitsConfig,
+    /// Flow control: priority bands, per-tenant fairness, queueing with deadlines (off by
+    /// default).
+    pub flow_control: crate::flow::FlowControlConfig,
 }
 
 /// Index configuration.
@@ -362,7 +365,8 @@ impl Default for MetricsConfig {
     }
 }
 
-/// Admission control.
+/// Admission control (with flow control off; with `flow_control.enabled`, flow control's own
+/// detector and shedding apply instead and routing sheds nothing).
 ///
 /// Pool saturation = mean over healthy decode-capable endpoints of
 /// `max(waiting / queue_threshold, kv_usage / kv_threshold)`, an endpoint with stale or missing
@@ -520,10 +524,30 @@ pub struct RequestConfig {
     pub request_id_header: String,
     /// Header carrying the session id (session affinity).
     pub session_header: String,
-    /// Header carrying the fairness id.
+    /// Header carrying the fairness id (the tenant flow control keeps fair; llm-d's
+    /// `x-llm-d-inference-fairness-id`).
     pub fairness_header: String,
+    /// A second header read for the fairness id when `fairness_header` is absent (llm-d's older
+    /// `x-gateway-inference-fairness-id`).
+    pub fairness_alias_header: String,
     /// Header carrying the integer priority (negative = sheddable).
     pub priority_header: String,
+    /// Header naming the request's inference objective (llm-d's `x-llm-d-inference-objective`),
+    /// mapped to a priority through `objectives`.
+    pub objective_header: String,
+    /// Inference objective name → priority (llm-d's `InferenceObjective` `spec.priority`). A
+    /// request naming a listed objective gets its priority; when it also carries
+    /// `priority_header`, the higher of the two wins. An objective not listed here gives no
+    /// priority (the priority header's, else 0).
+    pub objectives: BTreeMap<String, i32>,
+    /// Header carrying the request's time-to-first-token objective in milliseconds (the SLO
+    /// deadline ordering of flow control: enqueue time + this).
+    pub slo_ttft_header: String,
+    /// A second header read for the TTFT objective when `slo_ttft_header` is absent.
+    pub slo_ttft_alias_header: String,
+    /// Header carrying the request's own queue TTL, a Go duration such as `1500ms` or `2s`
+    /// (llm-d's `x-llm-d-inference-ttl`); it replaces the band's default TTL for that request.
+    pub queue_ttl_header: String,
     /// Judgment hint: generation horizon `short|medium|long`.
     pub horizon_header: String,
     /// Judgment hint: memory-pressure risk `0..=3`.
@@ -543,7 +567,13 @@ impl Default for RequestConfig {
             request_id_header: "x-request-id".into(),
             session_header: "x-session-id".into(),
             fairness_header: "x-llm-d-inference-fairness-id".into(),
+            fairness_alias_header: "x-gateway-inference-fairness-id".into(),
             priority_header: "x-kvroute-priority".into(),
+            objective_header: "x-llm-d-inference-objective".into(),
+            objectives: BTreeMap::new(),
+            slo_ttft_header: "x-llm-d-slo-ttft-ms".into(),
+            slo_ttft_alias_header: "x-slo-ttft-ms".into(),
+            queue_ttl_header: "x-llm-d-inference-ttl".into(),
             horizon_header: "x-kvroute-horizon".into(),
             risk_header: "x-kvroute-risk".into(),
             bypass_probability_header: "x-kvroute-bypass-probability".into(),
@@ -897,7 +927,17 @@ fn validate(c: &PolicyConfig) -> Result<(), ConfigError> {
     check_header("request.request_id_header", &r.request_id_header)?;
     check_header("request.session_header", &r.session_header)?;
     check_header("request.fairness_header", &r.fairness_header)?;
+    check_header("request.fairness_alias_header", &r.fairness_alias_header)?;
     check_header("request.priority_header", &r.priority_header)?;
+    check_header("request.objective_header", &r.objective_header)?;
+    check_header("request.slo_ttft_header", &r.slo_ttft_header)?;
+    check_header("request.slo_ttft_alias_header", &r.slo_ttft_alias_header)?;
+    check_header("request.queue_ttl_header", &r.queue_ttl_header)?;
+    for name in r.objectives.keys() {
+        if name.is_empty() {
+            return Err(ConfigError::invalid("request.objectives", "\"\"", "objective names must be non-empty"));
+        }
+    }
     check_header("request.horizon_header", &r.horizon_header)?;
     check_header("request.risk_header", &r.risk_header)?;
     check_header("request.bypass_probability_header", &r.bypass_probability_header)?;
@@ -928,7 +968,7 @@ fn validate(c: &PolicyConfig) -> Result<(), ConfigError> {
     if l.inflight_timeout_ms == 0 {
         return Err(ConfigError::invalid("limits.inflight_timeout_ms", 0, "must be > 0"));
     }
-    Ok(())
+    crate::flow::validate(&c.flow_control)
 }
 
 #[cfg(test)]

@@ -101,6 +101,9 @@ pub(crate) struct EndpointState {
     pub healthy: bool,
     pub metrics: Option<MetricsSnapshot>,
     pub inflight: u32,
+    /// Tokens (input + output budget) of the requests this router has in flight here (requests
+    /// applied from another instance's effect count 0).
+    pub inflight_tokens: u64,
     /// When a decision last sent a request here (as target or prefill endpoint), this router's
     /// own or one applied from another instance (`None`: never). Replicated state: instances fed
     /// the same effects hold the same value.
@@ -232,6 +235,7 @@ impl EndpointTable {
             healthy: true,
             metrics: None,
             inflight: 0,
+            inflight_tokens: 0,
             last_assigned_ms: None,
             waiting_now: 0,
             kv_usage_now: 0.0,

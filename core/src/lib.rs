@@ -53,7 +53,8 @@
 //! | `router/` | the state machine and the decision, in phases: keys → features → filters → pick → admission → mode → book-keeping → decision | [`RouterCore`], [`Router`] (its thread-safe wrapper), [`ActivePolicy`], [`RouterStats`] |
 //! | `request/` | requests: types, header reader, JSON body and token-id parser, chat messages, media, chat rendering | [`RouteRequest`], [`Prompt`], [`ChatMessage`] |
 //! | `decision` | the mode rules, the judgment rubric, the transfer-tax model, the outcome | [`Decision`], [`Outcome`], [`Mode`], [`Rule`], [`transfer_estimate`] |
-//! | `score`, `admission` | per-endpoint features, filters and pickers; pool saturation and shedding | [`EndpointScore`], [`FilterReason`] |
+//! | `score`, `admission` | per-endpoint features, filters and pickers; pool saturation and shedding (flow control off) | [`EndpointScore`], [`FilterReason`] |
+//! | `flow/` | flow control: the `flow_control` policy section, the controller (bands, limits, TTLs, shedding, dispatch), fairness (global strict, round robin, attained service) and ordering (FCFS, EDF, SLO deadline) policies, saturation detectors, metrics; driven through [`RouterCore::admit`] and [`RouterCore::take_releases`] | [`Admission`], [`Release`], [`Ticket`], [`Rejection`], [`FlowControlConfig`], [`FlowStats`] |
 //! | `approx/` | the approximate pipeline: block keys over prompt bytes, fed by the router's decisions | [`ApproxHashing`], [`RequestKeys`], [`ApproxIndex`] |
 //! | `precise/` | the precise pipeline: KV events (types, msgpack decoder), vLLM's block hasher (pickle, CBOR), request keys, the event-fed index, stream judgment, speculation, the ZMQ subscriber (feature `zmq`) and its sinks | [`decode_batch`], [`EngineHasher`], [`PreciseKeys`], [`KvIndex`], [`StreamTracker`] |
 //! | `index/` | the prefix store both indexes use (open addressing, generational LRU, sweeper) | [`PrefixIndex`], [`IndexStats`] |
@@ -63,6 +64,37 @@
 //!
 //! No clock, thread or socket outside `clock` and the subscriber: `core/clippy.toml` forbids them
 //! and the test command checks it.
+//!
+//! # Flow control
+//!
+//! Off by default. With `flow_control.enabled`, every request goes through [`RouterCore::admit`]
+//! before it is routed: admitted at once, queued behind a [`Ticket`] in its tenant's queue of its
+//! priority band, or rejected with an HTTP status and an `x-llm-d-request-dropped-reason`.
+//! Queued requests come back through [`RouterCore::take_releases`], called at every dispatch
+//! opportunity (completions, metrics updates, a timer): the protocol is on [`Admission`].
+//!
+//! ```
+//! use kvroute::{Admission, EndpointSpec, Policy, ReleaseOutcome, Role, RouterCore};
+//!
+//! let policy = r#"{"flow_control": {"enabled": true,
+//!     "saturation_detector": {"kind": "concurrency", "max_requests_per_endpoint": 1}}}"#;
+//! let mut core = RouterCore::new(Policy::from_json(policy)?);
+//! core.upsert_endpoint(EndpointSpec::new("10.0.0.1:8000", Role::Decode))?;
+//! let body = br#"{"model": "m", "prompt": "hello", "max_tokens": 8}"#;
+//! let tenant = |t: &'static str| [("x-llm-d-inference-fairness-id", t)];
+//!
+//! assert_eq!(core.admit_http(body, tenant("a"), 0)?, Admission::Admit);
+//! let first = core.route_http(body, tenant("a"), 0)?; // the endpoint is now full
+//! let Admission::Queued(ticket) = core.admit_http(body, tenant("b"), 1)? else { panic!() };
+//! assert!(core.take_releases(2).is_empty()); // still full
+//!
+//! core.complete(&first.request_id)?; // capacity frees: a dispatch opportunity
+//! let released = core.take_releases(3);
+//! assert_eq!((released[0].ticket, released[0].outcome), (ticket, ReleaseOutcome::Dispatched));
+//! let second = core.route_http(body, tenant("b"), 3)?; // route the held request now
+//! # let _ = second;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod admission;
 mod approx;
@@ -73,6 +105,7 @@ mod decision;
 mod effect;
 mod endpoints;
 mod error;
+mod flow;
 mod index;
 mod metrics;
 mod precise;
@@ -116,6 +149,18 @@ pub use config::{
     DEFAULT_RISK_TOKEN_THRESHOLDS, DEFAULT_SHORT_OUTPUT_MAX_TOKENS, DEFAULT_SPECULATIVE_TTL_MS,
     DEFAULT_TIER_WEIGHT_CPU, DEFAULT_TIER_WEIGHT_GPU, DEFAULT_TIER_WEIGHT_STORAGE, MAX_ENDPOINTS_LIMIT,
     NOMINAL_BYTES_PER_MEMBERSHIP,
+};
+
+// Flow control.
+pub use flow::{
+    Admission, AttainedServiceConfig, BandDefaults, BandStats, DropReason, FairnessFallback, FairnessPolicy,
+    FlowControlConfig, FlowCounters, FlowStats, OrderingPolicy, PriorityBandConfig, Rejection, RejectionCounts,
+    Release, ReleaseOutcome, SaturationDetectorConfig, SaturationReport, SheddingConfig, Ticket,
+    DEFAULT_BAND_MAX_BYTES, DEFAULT_FLOW_MAX_BYTES, DEFAULT_FLOW_MAX_REQUESTS, DEFAULT_KV_CACHE_UTIL_THRESHOLD,
+    DEFAULT_METRICS_FAIRNESS_IDS, DEFAULT_NO_ENDPOINTS_TTL_MS, DEFAULT_OUTPUT_TOKEN_WEIGHT,
+    DEFAULT_QUEUE_DEPTH_THRESHOLD, DEFAULT_REQUEST_TTL_MS, DEFAULT_SATURATION_CEILING, DEFAULT_SERVICE_HALF_LIFE_MS,
+    DEFAULT_SHED_K, DEFAULT_SHED_POWER, DEFAULT_UNBOUNDED_OUTPUT_TOKENS, HEADER_DROPPED_REASON, LABEL_MIN_REQUESTS,
+    MAX_FLOW_TTL_MS, MAX_PRIORITY_BANDS,
 };
 
 // Errors.

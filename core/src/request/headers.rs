@@ -1,5 +1,6 @@
 //! The request headers the router reads: the `:path` pseudo-header (which API) and the headers
-//! `RequestConfig` names (request id, session, fairness, priority, judgment hints).
+//! `RequestConfig` names (request id, session, fairness, priority and objective, TTFT objective,
+//! queue TTL, judgment hints).
 
 use crate::config::RequestConfig;
 use crate::error::RequestError;
@@ -13,6 +14,9 @@ pub(super) struct HeaderValues {
     pub(super) session_id: Option<String>,
     pub(super) fairness_id: Option<String>,
     pub(super) priority: i32,
+    pub(super) objective: Option<String>,
+    pub(super) slo_ttft_ms: Option<u64>,
+    pub(super) queue_ttl_ms: Option<u64>,
     pub(super) hint: JudgmentHint,
 }
 
@@ -23,6 +27,8 @@ impl HeaderValues {
     ) -> Result<HeaderValues, RequestError> {
         let mut out = HeaderValues::default();
         let (mut seen_path, mut seen_prio, mut seen_h, mut seen_r, mut seen_b) = (false, false, false, false, false);
+        let (mut direct_priority, mut fairness_alias, mut slo_alias) = (None, None, None);
+        let (mut seen_slo, mut seen_slo_alias, mut seen_ttl) = (false, false, false);
         for (k, v) in headers {
             let (k, v) = (k.as_ref(), v.as_ref().trim());
             let bad = |reason: &str| RequestError::Header {
@@ -53,9 +59,30 @@ impl HeaderValues {
                 if out.fairness_id.is_none() && !v.is_empty() {
                     out.fairness_id = Some(v.to_owned());
                 }
+            } else if k.eq_ignore_ascii_case(&cfg.fairness_alias_header) {
+                if fairness_alias.is_none() && !v.is_empty() {
+                    fairness_alias = Some(v.to_owned());
+                }
             } else if k.eq_ignore_ascii_case(&cfg.priority_header) {
                 if !std::mem::replace(&mut seen_prio, true) {
-                    out.priority = v.parse().map_err(|_| bad("must be an integer (negative = sheddable)"))?;
+                    let p: i32 = v.parse().map_err(|_| bad("must be an integer (negative = sheddable)"))?;
+                    direct_priority = Some(p);
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.objective_header) {
+                if out.objective.is_none() && !v.is_empty() {
+                    out.objective = Some(v.to_owned());
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.slo_ttft_header) {
+                if !std::mem::replace(&mut seen_slo, true) {
+                    out.slo_ttft_ms = Some(parse_ms(v).map_err(bad)?);
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.slo_ttft_alias_header) {
+                if !std::mem::replace(&mut seen_slo_alias, true) {
+                    slo_alias = Some(parse_ms(v).map_err(bad)?);
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.queue_ttl_header) {
+                if !std::mem::replace(&mut seen_ttl, true) {
+                    out.queue_ttl_ms = Some(parse_go_duration_ms(v).map_err(bad)?);
                 }
             } else if k.eq_ignore_ascii_case(&cfg.horizon_header) {
                 if !std::mem::replace(&mut seen_h, true) {
@@ -80,8 +107,66 @@ impl HeaderValues {
                 }
             }
         }
+        if out.fairness_id.is_none() {
+            out.fairness_id = fairness_alias;
+        }
+        if out.slo_ttft_ms.is_none() {
+            out.slo_ttft_ms = slo_alias;
+        }
+        // The objective's priority and the direct header's: the higher wins; neither gives 0.
+        let objective_priority = out.objective.as_deref().and_then(|o| cfg.objectives.get(o)).copied();
+        out.priority = match (objective_priority, direct_priority) {
+            (Some(a), Some(b)) => a.max(b),
+            (Some(p), None) | (None, Some(p)) => p,
+            (None, None) => 0,
+        };
         Ok(out)
     }
+}
+
+/// A non-negative integer number of milliseconds.
+fn parse_ms(v: &str) -> Result<u64, &'static str> {
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("must be a non-negative integer (milliseconds)");
+    }
+    v.parse().map_err(|_| "must be a non-negative integer (milliseconds)")
+}
+
+/// A positive Go duration (`1500ms`, `2s`, `1m30s`, `0.5h`; units `ns`, `us`, `µs`, `ms`, `s`,
+/// `m`, `h`), in whole milliseconds rounded up (so a positive duration is never 0).
+pub(crate) fn parse_go_duration_ms(v: &str) -> Result<u64, &'static str> {
+    const BAD: &str = "must be a positive Go duration such as 1500ms, 2s or 1m30s";
+    let mut rest = v;
+    let mut total_ns: f64 = 0.0;
+    if rest.is_empty() {
+        return Err(BAD);
+    }
+    while !rest.is_empty() {
+        let num_end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or(BAD)?;
+        let (num, tail) = rest.split_at(num_end);
+        if num.is_empty() || num == "." {
+            return Err(BAD);
+        }
+        let n: f64 = num.parse().map_err(|_| BAD)?;
+        let unit_end = tail.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_end);
+        let scale = match unit {
+            "ns" => 1.0,
+            "us" | "µs" | "μs" => 1e3,
+            "ms" => 1e6,
+            "s" => 1e9,
+            "m" => 60e9,
+            "h" => 3600e9,
+            _ => return Err(BAD),
+        };
+        total_ns += n * scale;
+        rest = tail;
+    }
+    let ms = (total_ns / 1e6).ceil();
+    if !ms.is_finite() || ms <= 0.0 || ms > 1e15 {
+        return Err(BAD);
+    }
+    Ok(ms as u64)
 }
 
 #[cfg(test)]
@@ -125,6 +210,43 @@ mod tests {
     }
 
     #[test]
+    fn flow_control_headers() {
+        let mut cfg = RequestConfig::default();
+        cfg.objectives.insert("batch".into(), -1);
+        cfg.objectives.insert("interactive".into(), 10);
+        let p = |headers: &[(&str, &str)]| {
+            RouteRequest::parse(br#"{"model":"m","prompt":"x"}"#, headers.iter().copied(), &cfg).unwrap()
+        };
+        let r = p(&[("x-gateway-inference-fairness-id", "old"), ("x-llm-d-inference-fairness-id", "new")]);
+        assert_eq!(r.fairness_id.as_deref(), Some("new"), "the primary header wins over the alias");
+        let r = p(&[("X-Gateway-Inference-Fairness-Id", "old")]);
+        assert_eq!(r.fairness_id.as_deref(), Some("old"), "the alias alone is read");
+        let r = p(&[("x-llm-d-inference-objective", "batch")]);
+        assert_eq!((r.priority, r.objective.as_deref()), (-1, Some("batch")));
+        let r = p(&[("x-llm-d-inference-objective", "batch"), ("x-kvroute-priority", "3")]);
+        assert_eq!(r.priority, 3, "the higher of objective and direct priority wins");
+        let r = p(&[("x-llm-d-inference-objective", "interactive"), ("x-kvroute-priority", "3")]);
+        assert_eq!(r.priority, 10);
+        let r = p(&[("x-llm-d-inference-objective", "unknown")]);
+        assert_eq!(
+            (r.priority, r.objective.as_deref()),
+            (0, Some("unknown")),
+            "an unlisted objective gives no priority"
+        );
+        let r = p(&[("x-slo-ttft-ms", "250"), ("x-llm-d-slo-ttft-ms", "100")]);
+        assert_eq!(r.slo_ttft_ms, Some(100), "the primary SLO header wins");
+        let r = p(&[("x-slo-ttft-ms", "250")]);
+        assert_eq!(r.slo_ttft_ms, Some(250));
+        for (v, ms) in
+            [("1500ms", 1500), ("2s", 2000), ("1m30s", 90_000), ("0.5h", 1_800_000), ("1us", 1), ("1.5s", 1500)]
+        {
+            assert_eq!(p(&[("x-llm-d-inference-ttl", v)]).queue_ttl_ms, Some(ms), "{v}");
+        }
+        let r = p(&[]);
+        assert_eq!((r.slo_ttft_ms, r.queue_ttl_ms, r.objective, r.priority), (None, None, None, 0));
+    }
+
+    #[test]
     fn bad_headers_are_typed_errors() {
         for (h, v) in [
             ("x-kvroute-priority", "high"),
@@ -132,6 +254,14 @@ mod tests {
             ("x-kvroute-risk", "4"),
             ("x-kvroute-bypass-probability", "1.5"),
             ("x-kvroute-bypass-probability", "NaN"),
+            ("x-llm-d-slo-ttft-ms", "-5"),
+            ("x-slo-ttft-ms", "fast"),
+            ("x-llm-d-slo-ttft-ms", "1.5"),
+            ("x-llm-d-inference-ttl", "10"),
+            ("x-llm-d-inference-ttl", "0s"),
+            ("x-llm-d-inference-ttl", "-1s"),
+            ("x-llm-d-inference-ttl", "3 days"),
+            ("x-llm-d-inference-ttl", "ms"),
             (":path", "/v1/embeddings"),
             // vLLM's tokens-in API carries media features next to token ids: not routed.
             (":path", "/inference/v1/generate"),

@@ -140,10 +140,21 @@ pub struct RouteRequest {
     pub request_id: Option<String>,
     /// Session id (header `request.session_header`).
     pub session_id: Option<String>,
-    /// Fairness id (header `request.fairness_header`).
+    /// Fairness id (header `request.fairness_header`, else `request.fairness_alias_header`).
     pub fairness_id: Option<String>,
-    /// Priority (header `request.priority_header`, default 0, negative = sheddable).
+    /// Priority, negative = sheddable: the priority of the inference objective (header
+    /// `request.objective_header`, mapped by `request.objectives`) or the direct priority
+    /// (header `request.priority_header`), the higher when both are given; default 0.
     pub priority: i32,
+    /// Inference objective named by the request (header `request.objective_header`), listed in
+    /// `request.objectives` or not.
+    pub objective: Option<String>,
+    /// Time-to-first-token objective in milliseconds (header `request.slo_ttft_header`, else
+    /// `request.slo_ttft_alias_header`): flow control's SLO-deadline ordering.
+    pub slo_ttft_ms: Option<u64>,
+    /// The request's own queue TTL in milliseconds (header `request.queue_ttl_header`, a Go
+    /// duration): replaces the default TTL of flow control for this request.
+    pub queue_ttl_ms: Option<u64>,
     /// Judgment hint headers.
     pub hint: JudgmentHint,
     /// Prompt sequences (several for a batched completions request). Chat requests have one,
@@ -175,6 +186,9 @@ impl RouteRequest {
             session_id: None,
             fairness_id: None,
             priority: 0,
+            objective: None,
+            slo_ttft_ms: None,
+            queue_ttl_ms: None,
             hint: JudgmentHint::default(),
             prompts: vec![Prompt::Text(prompt.as_bytes().to_vec())],
             chat: None,
@@ -329,6 +343,9 @@ impl RouteRequest {
             session_id: h.session_id,
             fairness_id: h.fairness_id,
             priority: h.priority,
+            objective: h.objective,
+            slo_ttft_ms: h.slo_ttft_ms,
+            queue_ttl_ms: h.queue_ttl_ms,
             hint: h.hint,
             prompts,
             chat,

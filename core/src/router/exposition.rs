@@ -125,6 +125,10 @@ impl RouterCore {
                 }
             }
         }
+        if self.active.policy.config().flow_control.enabled {
+            let ctx = crate::flow::Ctx { policy: self.active.policy.config(), endpoints: &self.endpoints };
+            self.flow.expose(&ctx, now_ms, &mut e);
+        }
         e.finish()
     }
 }

@@ -20,6 +20,8 @@ pub(super) struct Inflight {
     pub target: SlotRef,
     pub prefill: Option<SlotRef>,
     pub started_ms: u64,
+    /// Tokens counted in the endpoints' `inflight_tokens` (input + output budget).
+    pub tokens: u64,
     serial: u64,
 }
 
@@ -46,12 +48,12 @@ impl InflightTable {
         self.map.contains_key(id)
     }
 
-    pub fn insert(&mut self, id: &str, target: SlotRef, prefill: Option<SlotRef>, started_ms: u64) {
+    pub fn insert(&mut self, id: &str, target: SlotRef, prefill: Option<SlotRef>, started_ms: u64, tokens: u64) {
         self.next_serial += 1;
         let serial = self.next_serial;
         let key: Arc<str> = Arc::from(id);
         self.order.push_back((serial, key.clone()));
-        self.map.insert(key, Inflight { target, prefill, started_ms, serial });
+        self.map.insert(key, Inflight { target, prefill, started_ms, tokens, serial });
         if self.order.len() > 2 * self.map.len() + 1024 {
             let map = &self.map;
             self.order.retain(|(serial, id)| map.get(id).is_some_and(|f| f.serial == *serial));

@@ -7,10 +7,12 @@
 //! - `route.rs`: the decision in phases (keys → features → filters → pick → admission → mode →
 //!   book-keeping → decision);
 //! - `inflight.rs`: requests in flight, request ids, session keys;
+//! - `flow.rs`: flow control on the core (admission, releases, cancellation, shutdown);
 //! - `replication.rs`: applying another instance's [`RoutingEffect`];
 //! - `exposition.rs`: the Prometheus metrics page.
 
 mod exposition;
+mod flow;
 mod inflight;
 mod policy;
 mod replication;
@@ -31,7 +33,8 @@ use crate::config::Policy;
 use crate::decision::Decision;
 use crate::effect::RoutingEffect;
 use crate::endpoints::{EndpointSpec, MetricsSnapshot};
-use crate::error::{ConfigError, EventIngestError, RouteError, StateError};
+use crate::error::{ConfigError, EventIngestError, RequestError, RouteError, StateError};
+use crate::flow::{Admission, FlowStats, Release, SaturationReport, Ticket};
 use crate::precise::events::EventBatch;
 use crate::precise::ApplyOutcome;
 use crate::request::RouteRequest;
@@ -284,6 +287,71 @@ impl Router {
     /// meanwhile).
     pub fn resync_stream(&self, endpoint: &str, now_ms: u64) -> Result<(), StateError> {
         self.lock().resync_stream(endpoint, now_ms)
+    }
+
+    /// Flow control's answer for a request about to be routed (see [`RouterCore::admit`] and the
+    /// protocol on [`Admission`]).
+    pub fn admit(&self, req: &RouteRequest, body_bytes: u64, now_ms: u64) -> Admission {
+        self.lock().admit(req, body_bytes, now_ms)
+    }
+
+    /// Parse an HTTP request (outside the lock) and [`admit`](Router::admit) it, with the body's
+    /// length as its size.
+    pub fn admit_http<K, V>(
+        &self,
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        now_ms: u64,
+    ) -> Result<Admission, RequestError>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let active = self.policy.load_full();
+        let req = RouteRequest::parse(body, headers, &active.policy.config().request)?;
+        Ok(self.admit(&req, body.len() as u64, now_ms))
+    }
+
+    /// A dispatch opportunity with no other event (see [`RouterCore::tick`]).
+    pub fn tick(&self, now_ms: u64) {
+        self.lock().tick(now_ms);
+    }
+
+    /// A dispatch opportunity, then every release made since the last call (see
+    /// [`RouterCore::take_releases`]).
+    pub fn take_releases(&self, now_ms: u64) -> Vec<Release> {
+        self.lock().take_releases(now_ms)
+    }
+
+    /// [`take_releases`](Router::take_releases) into a caller's buffer.
+    pub fn take_releases_into(&self, now_ms: u64, out: &mut Vec<Release>) {
+        self.lock().take_releases_into(now_ms, out);
+    }
+
+    /// Remove a held ticket whose client went away (see [`RouterCore::cancel`]).
+    pub fn cancel(&self, ticket: Ticket) -> bool {
+        self.lock().cancel(ticket)
+    }
+
+    /// Drop every queued request with 503 `rejected-shutting-down` and reject later admissions
+    /// (see [`RouterCore::shutdown_queue`]).
+    pub fn shutdown_queue(&self) {
+        self.lock().shutdown_queue();
+    }
+
+    /// When to tick next if nothing else happens (see [`RouterCore::next_flow_deadline`]).
+    pub fn next_flow_deadline(&self) -> Option<u64> {
+        self.lock().next_flow_deadline()
+    }
+
+    /// Flow control's queues and counters.
+    pub fn flow_stats(&self) -> FlowStats {
+        self.lock().flow_stats()
+    }
+
+    /// The pool's saturation as flow control measures it (see [`RouterCore::flow_saturation`]).
+    pub fn flow_saturation(&self, now_ms: u64) -> SaturationReport {
+        self.lock().flow_saturation(now_ms)
     }
 
     /// Parse an HTTP request (body + headers) and route it, all under one policy version.

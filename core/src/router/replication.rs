@@ -38,9 +38,9 @@ impl RouterCore {
             incarnation: ep.incarnation,
         });
         if !self.inflight.contains(&e.request_id) {
-            let t = self.track(t_slot, e.now_ms);
-            let p = p_slot.map(|p| self.track(p, e.now_ms));
-            self.inflight.insert(&e.request_id, t, p, e.now_ms);
+            let t = self.track(t_slot, e.now_ms, 0);
+            let p = p_slot.map(|p| self.track(p, e.now_ms, 0));
+            self.inflight.insert(&e.request_id, t, p, e.now_ms, 0);
             let max = self.active.policy.config().limits.max_inflight_requests;
             self.bound_inflight(max);
         }

@@ -6,7 +6,8 @@
 //!    endpoint the score inputs and breakdown (with the filters' verdicts);
 //! 3. **filters** and **pick** ([`RouterCore::pick`]): the candidates (a filter that would leave
 //!    none is relaxed) and the picker's choice of decode endpoint;
-//! 4. **admission** ([`crate::admission`]): shed a sheddable request when the pool is saturated;
+//! 4. **admission** ([`crate::admission`]): shed a sheddable request when the pool is saturated
+//!    (flow control off; with it on, `admit` did that before the request was routed);
 //! 5. **mode** ([`RouterCore::mode`]): the prefill pick and the mode rules with the transfer-tax
 //!    model;
 //! 6. **book-keeping** ([`RouterCore::book`]): assumed residency, speculation, in-flight
@@ -116,6 +117,8 @@ fn tokenize_into(
 /// What the features phase found.
 struct Features {
     input_tokens: u64,
+    /// Input tokens + output budget (the endpoints' in-flight token counts).
+    tokens: u64,
     session_key: Option<u64>,
     /// The decision reads and writes the approximate / precise index (its keys were made under
     /// the index's current parameters).
@@ -216,7 +219,11 @@ impl RouterCore {
             return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
         };
         let request_id = self.ids.assign(&self.inflight, req);
-        if let Some(shed) = admission::admit(active.policy.config(), f.saturation, req.priority) {
+        if active.policy.config().flow_control.enabled {
+            // Flow control owns shedding (the request went through `admit`); one request it
+            // released is now routed.
+            self.flow.routed();
+        } else if let Some(shed) = admission::admit(active.policy.config(), f.saturation, req.priority) {
             return Ok(self.shed(active, request_id, f, pick, shed));
         }
         let m = self.mode(active, keys, &f, &pick);
@@ -298,7 +305,9 @@ impl RouterCore {
         }
         self.slots_buf = slots;
         let saturation = if pool_size == 0 { 0.0 } else { saturation_sum / f64::from(pool_size) };
-        Features { input_tokens, session_key, approx_valid, precise_valid, roster, scores, saturation }
+        let output = req.effective_max_tokens().unwrap_or(cfg.flow_control.attained_service.unbounded_output_tokens);
+        let tokens = input_tokens.saturating_add(u64::from(output));
+        Features { input_tokens, tokens, session_key, approx_valid, precise_valid, roster, scores, saturation }
     }
 
     /// The picker's choice among `cands` (roster indexes); `salt` separates the decode and
@@ -364,8 +373,8 @@ impl RouterCore {
         let cfg = active.policy.config();
         let d_slot = self.slots_buf[d];
         let p_slot = m.prefill.map(|p| self.slots_buf[p]);
-        let target = self.track(d_slot, now_ms);
-        let prefill_ref: Option<SlotRef> = p_slot.map(|p| self.track(p, now_ms));
+        let target = self.track(d_slot, now_ms, f.tokens);
+        let prefill_ref: Option<SlotRef> = p_slot.map(|p| self.track(p, now_ms, f.tokens));
         if f.approx_valid {
             for seq in keys.approx.sequences() {
                 self.index.observe(seq, d_slot as usize);
@@ -386,7 +395,7 @@ impl RouterCore {
                 self.kv.speculate_from(&keys.precise.keys, held as usize, r.slot as usize, expires_ms, now_ms);
             }
         }
-        self.inflight.insert(request_id, target, prefill_ref, now_ms);
+        self.inflight.insert(request_id, target, prefill_ref, now_ms, f.tokens);
         self.bound_inflight(cfg.limits.max_inflight_requests);
         if let Some(k) = f.session_key {
             self.sessions.push(k, target);

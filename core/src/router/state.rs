@@ -15,6 +15,7 @@ use super::route::KeyBufs;
 use crate::config::Policy;
 use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointState, EndpointTable, MetricsSnapshot, Role};
 use crate::error::{ConfigError, EventIngestError, StateError};
+use crate::flow::{FlowController, FlowStats};
 use crate::index::{ApproxIndex, IndexStats, MatchScratch, PrefixMatch};
 use crate::precise::events::EventBatch;
 use crate::precise::{ApplyOutcome, KvIndex, PreciseStats};
@@ -62,6 +63,8 @@ pub struct RouterStats {
     pub precise: PreciseStats,
     /// Counters.
     pub counters: RouterCounters,
+    /// Flow control: queue sizes by band and counters.
+    pub flow: FlowStats,
 }
 
 /// One endpoint as the router sees it.
@@ -106,6 +109,8 @@ pub struct RouterCore {
     pub(super) draws: u64,
     pub(super) record_effects: bool,
     pub(super) counters: RouterCounters,
+    /// Flow control (queues, limits, dispatch; `router/flow.rs`).
+    pub(super) flow: FlowController,
     #[cfg(feature = "tokenizer")]
     pub(super) tokenizer: Option<Arc<crate::tokenize::Tokenizer>>,
     // Scratch buffers of the decision (kept between calls: no allocation per decision).
@@ -157,6 +162,7 @@ impl RouterCore {
             draws: 0,
             record_effects: false,
             counters: RouterCounters::default(),
+            flow: FlowController::new(cfg),
             #[cfg(feature = "tokenizer")]
             tokenizer: None,
             matched: PrefixMatch::default(),
@@ -208,6 +214,8 @@ impl RouterCore {
         self.sessions.resize(nz(cfg.limits.session_capacity));
         self.counters.reloads += 1;
         self.active = new;
+        let RouterCore { flow, endpoints, active, .. } = self;
+        flow.reconfigure(&crate::flow::Ctx { policy: active.policy.config(), endpoints });
         self.active.version
     }
 
@@ -324,6 +332,7 @@ impl RouterCore {
             index: self.index.stats(),
             precise: self.kv.stats(),
             counters: self.counters.clone(),
+            flow: self.flow.stats(self.active.policy.config().flow_control.enabled),
         }
     }
 
@@ -396,6 +405,7 @@ impl RouterCore {
             if let Some(ep) = self.endpoints.get_mut(r.slot) {
                 if ep.incarnation == r.incarnation {
                     ep.inflight = ep.inflight.saturating_sub(1);
+                    ep.inflight_tokens = ep.inflight_tokens.saturating_sub(f.tokens);
                     ep.done();
                 }
             }
@@ -426,11 +436,12 @@ impl RouterCore {
         self.endpoints.get(r.slot).is_some_and(|e| e.incarnation == r.incarnation)
     }
 
-    /// Count a request in flight at `slot`, sent there at `now_ms`.
-    pub(super) fn track(&mut self, slot: u16, now_ms: u64) -> SlotRef {
+    /// Count a request of `tokens` tokens in flight at `slot`, sent there at `now_ms`.
+    pub(super) fn track(&mut self, slot: u16, now_ms: u64, tokens: u64) -> SlotRef {
         match self.endpoints.get_mut(slot) {
             Some(ep) => {
                 ep.inflight = ep.inflight.saturating_add(1);
+                ep.inflight_tokens = ep.inflight_tokens.saturating_add(tokens);
                 ep.sent();
                 ep.last_assigned_ms = Some(ep.last_assigned_ms.map_or(now_ms, |t| t.max(now_ms)));
                 SlotRef { slot, incarnation: ep.incarnation }
