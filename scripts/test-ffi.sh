@@ -86,13 +86,13 @@ SHARED=$(pkg-config --cflags --libs kvroute)
 # Static: pkg-config's flags, with the archive picked explicitly (the build directory holds the
 # shared library too, which a plain -lkvroute would prefer).
 STATIC=$(pkg-config --cflags --static --libs kvroute | sed 's/-lkvroute\b/-l:libkvroute.a/')
-TESTS=(api errors golden golden_flow threads subscribe)
+TESTS=(api errors golden golden_flow flow threads subscribe)
 args_of() {
   case "$1" in
     api) echo "fixtures" ;;
     golden) echo "fixtures/golden $NATIVE" ;;
     golden_flow) echo "fixtures/golden-flow $NATIVE_FLOW" ;;
-    threads) echo "${2:-200}" ;;
+    threads | flow) echo "${2:-200}" ;;
     *) echo "" ;;
   esac
 }
@@ -121,7 +121,7 @@ VALGRIND=(valgrind -q --error-exitcode=99 --leak-check=full
   --show-leak-kinds=definite,indirect,possible --errors-for-leak-kinds=definite,indirect,possible
   --suppressions=ffi/tests/valgrind.supp)
 for t in "${TESTS[@]}"; do
-  # threads: fewer routes per thread under valgrind (it serializes threads).
+  # threads, flow: fewer routes per thread (and random steps) under valgrind (it serializes threads).
   # shellcheck disable=SC2046
   LD_LIBRARY_PATH="$LIBDIR" timeout 300 "${VALGRIND[@]}" "$OUT/plain/$t" $(args_of "$t" 25)
 done

@@ -312,8 +312,7 @@ typedef struct kvroute_release {
 } kvroute_release;
 
 // Flow control's counters and queue sizes (`kvroute_router_flow_stats`). Releases count as
-// dispatched or rejected when the core hands them over (including those the router handle
-// holds for a caller whose buffer was too small).
+// dispatched or rejected when `kvroute_router_take_releases` hands them out.
 typedef struct kvroute_flow_stats {
     // `flow_control.enabled` of the active policy.
     bool enabled;
@@ -1201,8 +1200,8 @@ kvroute_result kvroute_router_stats(const struct kvroute_router *router,
                                     struct kvroute_stats *out);
 
 // Copy the router's stats as JSON (the core's form: `policy_version`, `endpoints`,
-// `inflight_requests`, `index`, `precise`, `counters`; it may gain fields the struct of
-// `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
+// `inflight_requests`, `index`, `precise`, `counters`, `flow` (as `kvroute_router_flow_stats_json`);
+// it may gain fields the struct of `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
 // safety: any thread.
 //
 // Ownership: `router` stays the caller's; nothing passed in is kept after the call.
@@ -1277,9 +1276,13 @@ kvroute_result kvroute_router_admit(const struct kvroute_router *router,
 // are NOT lost: the router keeps them, in order, and the next call hands them out first (before
 // anything newer); `*remaining` receives how many it keeps (0: all taken). Call again while
 // `*remaining` is not 0 (each call is also a dispatch opportunity, which is harmless).
-// `buf = NULL, cap = 0` takes nothing and tells in `*remaining` how many are waiting. Releases
-// kept this way count as taken in the stats and metrics (the core hands them over at once) and
-// in `kvroute_flow_stats::releases_waiting`; a kept ticket can still be cancelled.
+// `buf = NULL, cap = 0` takes nothing and tells in `*remaining` how many are waiting. A kept
+// release can still be cancelled, and the stats views (`kvroute_router_flow_stats`, `_json`,
+// `kvroute_router_stats_json`) count it as waiting until a call hands it out. Two differences
+// from a buffer large enough (the core hands over every release at once): the Prometheus page
+// (`kvroute_router_metrics_text`) counts kept releases as dispatched or dropped at once (also a
+// kept one cancelled later), and a kept DISPATCHED release that is cancelled keeps counting as
+// load until its one-second grace lapses (instead of at once).
 //
 // Ownership: the releases are copied into the caller's `buf` (plain structs; `reason_name` is
 // a static string, never free it). NULL: `router`, `n` and `remaining` must not be NULL; `buf`
@@ -1388,10 +1391,9 @@ kvroute_result kvroute_router_flow_bands(const struct kvroute_router *router,
                                          size_t *count);
 
 // Copy flow control's stats as JSON (the core's form: `enabled`, `queued`, `queued_bytes`,
-// `releases_waiting` (with the releases the router keeps for a caller, as in
-// `kvroute_flow_stats`), `pending_dispatch`, `shutting_down`, `bands` (with their fairness and
-// ordering policies), `counters`; it may gain fields the structs lack). Strings out as in
-// `kvroute_router_policy_json`.
+// `releases_waiting`, `pending_dispatch`, `shutting_down`, `bands` (with their fairness and
+// ordering policies), `counters`; it may gain fields the structs lack), counted as
+// `kvroute_router_flow_stats` counts. Strings out as in `kvroute_router_policy_json`.
 //
 // Ownership: `router` stays the caller's; the text is copied into the caller's `buf`, nothing
 // to free. NULL: `router` must not be NULL; `buf` may be NULL only when `buf_len` is 0;

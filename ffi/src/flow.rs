@@ -2,16 +2,17 @@
 //! into a caller's buffer, cancel, tick, the next deadline, shutdown, stats.
 //!
 //! The call protocol is the core's (documented on `kvroute::Admission`); these functions only
-//! convert arguments and results. One thing lives here and not in the core: releases the core
-//! handed over that did not fit the caller's buffer are held by the router handle
-//! (`kvroute_router::held`), in order, and handed out first by the next
+//! convert arguments and results. One thing lives here and not in the core: the core hands over
+//! every release at once, so the ones that did not fit the caller's buffer are kept by the
+//! router handle ([`Held`]), in order, and handed out first by the next
 //! `kvroute_router_take_releases`; `kvroute_router_cancel` finds tickets there too, so no ticket
-//! is lost and none ends twice.
+//! is lost and none ends twice. The stats views count a kept release when the caller takes it
+//! (as the core counts a release when it is taken), a cancelled one as cancelled.
 
 use std::ffi::{c_char, CStr};
 use std::sync::{MutexGuard, PoisonError};
 
-use kvroute::{Admission, DropReason, Rejection, Release, ReleaseOutcome, Router, Ticket};
+use kvroute::{Admission, DropReason, FlowStats, Rejection, RejectionCounts, Release, ReleaseOutcome, Router, Ticket};
 
 use crate::error::{guard, guard_value, kvroute_result, Error, Result, KVROUTE_RESULT_BUFFER_TOO_SMALL};
 use crate::ptr;
@@ -95,8 +96,7 @@ pub struct kvroute_release {
 }
 
 /// Flow control's counters and queue sizes (`kvroute_router_flow_stats`). Releases count as
-/// dispatched or rejected when the core hands them over (including those the router handle
-/// holds for a caller whose buffer was too small).
+/// dispatched or rejected when `kvroute_router_take_releases` hands them out.
 #[repr(C)]
 pub struct kvroute_flow_stats {
     /// `flow_control.enabled` of the active policy.
@@ -217,10 +217,66 @@ unsafe fn handle<'a>(router: *const kvroute_router) -> Result<&'a kvroute_router
     unsafe { ptr::obj(router, "router") }
 }
 
+/// What a router handle keeps of flow control (in `kvroute_router::held`).
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    /// Releases the core handed over that did not fit the caller's buffer, oldest first.
+    releases: Vec<Release>,
+    /// Kept releases cancelled before the caller took them: the core counted them as
+    /// dispatched or dropped when it handed them over; the stats views count them as cancelled.
+    cancelled_dispatched: u64,
+    /// The same for dropped releases, by reason code.
+    cancelled_dropped: [u64; 7],
+}
+
+fn rejection_count(c: &mut RejectionCounts, reason: DropReason) -> &mut u64 {
+    match reason {
+        DropReason::RejectedSaturated => &mut c.rejected_saturated,
+        DropReason::RejectedTtlExpired => &mut c.rejected_ttl_expired,
+        DropReason::RejectedNoEndpoints => &mut c.rejected_no_endpoints,
+        DropReason::RejectedShuttingDown => &mut c.rejected_shutting_down,
+        DropReason::EvictedPriority => &mut c.evicted_priority,
+        DropReason::EvictedQueuePressure => &mut c.evicted_queue_pressure,
+    }
+}
+
+impl Held {
+    /// Flow stats as the caller sees them: a kept release is still waiting (not dispatched or
+    /// rejected yet), a cancelled kept release is cancelled.
+    pub(crate) fn adjust(&self, s: &mut FlowStats) {
+        let mut dispatched = self.cancelled_dispatched;
+        let mut dropped = self.cancelled_dropped;
+        for r in &self.releases {
+            match r.outcome {
+                ReleaseOutcome::Dispatched => dispatched += 1,
+                ReleaseOutcome::Dropped(rej) => dropped[usize::from(rej.reason.code()) % 7] += 1,
+            }
+        }
+        let c = &mut s.counters;
+        c.dispatched = c.dispatched.saturating_sub(dispatched);
+        for reason in DropReason::ALL {
+            let n = rejection_count(&mut c.rejections, reason);
+            *n = n.saturating_sub(dropped[usize::from(reason.code()) % 7]);
+        }
+        c.cancelled += self.cancelled_dispatched + self.cancelled_dropped.iter().sum::<u64>();
+        s.releases_waiting += self.releases.len() as u64;
+    }
+
+    /// Remove the kept release of `ticket`; true when there was one.
+    fn cancel(&mut self, ticket: u64) -> bool {
+        let Some(i) = self.releases.iter().position(|rel| rel.ticket.0 == ticket) else { return false };
+        match self.releases.remove(i).outcome {
+            ReleaseOutcome::Dispatched => self.cancelled_dispatched += 1,
+            ReleaseOutcome::Dropped(rej) => self.cancelled_dropped[usize::from(rej.reason.code()) % 7] += 1,
+        }
+        true
+    }
+}
+
 impl kvroute_router {
-    /// The held releases. A panic while they were locked leaves a consistent list (releases are
+    /// What the handle keeps. A panic while it was locked leaves it consistent (releases are
     /// only appended by the core and removed after they were copied), so poisoning is ignored.
-    fn held(&self) -> MutexGuard<'_, Vec<Release>> {
+    pub(crate) fn held(&self) -> MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -293,9 +349,13 @@ pub unsafe extern "C" fn kvroute_router_admit(
 /// are NOT lost: the router keeps them, in order, and the next call hands them out first (before
 /// anything newer); `*remaining` receives how many it keeps (0: all taken). Call again while
 /// `*remaining` is not 0 (each call is also a dispatch opportunity, which is harmless).
-/// `buf = NULL, cap = 0` takes nothing and tells in `*remaining` how many are waiting. Releases
-/// kept this way count as taken in the stats and metrics (the core hands them over at once) and
-/// in `kvroute_flow_stats::releases_waiting`; a kept ticket can still be cancelled.
+/// `buf = NULL, cap = 0` takes nothing and tells in `*remaining` how many are waiting. A kept
+/// release can still be cancelled, and the stats views (`kvroute_router_flow_stats`, `_json`,
+/// `kvroute_router_stats_json`) count it as waiting until a call hands it out. Two differences
+/// from a buffer large enough (the core hands over every release at once): the Prometheus page
+/// (`kvroute_router_metrics_text`) counts kept releases as dispatched or dropped at once (also a
+/// kept one cancelled later), and a kept DISPATCHED release that is cancelled keeps counting as
+/// load until its one-second grace lapses (instead of at once).
 ///
 /// Ownership: the releases are copied into the caller's `buf` (plain structs; `reason_name` is
 /// a static string, never free it). NULL: `router`, `n` and `remaining` must not be NULL; `buf`
@@ -325,19 +385,20 @@ pub unsafe extern "C" fn kvroute_router_take_releases(
         // SAFETY: the caller's contract for `router`.
         let r = unsafe { handle(router) }?;
         let mut held = r.held();
-        // Straight into the held list: a panic anywhere below loses no release.
-        r.core().take_releases_into(now_ms, &mut held);
-        let k = held.len().min(cap);
-        for (i, rel) in held.iter().take(k).enumerate() {
+        let kept = &mut held.releases;
+        // Straight into the kept list: a panic anywhere below loses no release.
+        r.core().take_releases_into(now_ms, kept);
+        let k = kept.len().min(cap);
+        for (i, rel) in kept.iter().take(k).enumerate() {
             // SAFETY: `i < k <= cap` and `buf` is valid for `cap` writes (non-NULL: cap > 0
             // whenever k > 0) by the caller's contract; a plain struct, nothing is dropped.
             unsafe { buf.add(i).write(release_out(rel)) };
         }
-        held.drain(..k);
+        kept.drain(..k);
         // SAFETY: `n` and `remaining` are non-NULL and valid by the caller's contract.
         unsafe {
             ptr::write(n, k);
-            ptr::write(remaining, held.len());
+            ptr::write(remaining, kept.len());
         }
         Ok(())
     })
@@ -386,13 +447,7 @@ pub unsafe extern "C" fn kvroute_router_cancel(
         // Held first, under the lock take_releases moves releases with: the ticket is either
         // there or still in the core.
         let mut held = r.held();
-        let hit = match held.iter().position(|rel| rel.ticket.0 == ticket) {
-            Some(i) => {
-                held.remove(i);
-                true
-            }
-            None => r.core().cancel(Ticket(ticket)),
-        };
+        let hit = held.cancel(ticket) || r.core().cancel(Ticket(ticket));
         drop(held);
         // SAFETY: `found` is NULL or valid by the caller's contract.
         unsafe { ptr::write(found, hit) };
@@ -443,7 +498,7 @@ pub unsafe extern "C" fn kvroute_router_next_flow_deadline(
         // SAFETY: the caller's contract for `router`.
         let r = unsafe { handle(router) }?;
         let held = r.held();
-        let next = if held.is_empty() { r.core().next_flow_deadline() } else { Some(0) };
+        let next = if held.releases.is_empty() { r.core().next_flow_deadline() } else { Some(0) };
         drop(held);
         let next = next.ok_or_else(|| Error::absent("a flow-control deadline (nothing is queued)"))?;
         // SAFETY: `out` is non-NULL and valid by the caller's contract.
@@ -471,10 +526,10 @@ pub unsafe extern "C" fn kvroute_router_flow_stats(
         let out = ptr::out(out, "out")?;
         // SAFETY: the caller's contract for `router`.
         let r = unsafe { handle(router) }?;
-        // The held list locked first: no release moves between it and the core meanwhile.
+        // The kept releases locked first: none moves between them and the core meanwhile.
         let held = r.held();
-        let s = r.core().flow_stats();
-        let kept = held.len() as u64;
+        let mut s = r.core().flow_stats();
+        held.adjust(&mut s);
         drop(held);
         let c = &s.counters;
         let mut rejections = [0u64; 7];
@@ -488,7 +543,7 @@ pub unsafe extern "C" fn kvroute_router_flow_stats(
             shutting_down: s.shutting_down,
             queued: s.queued,
             queued_bytes: s.queued_bytes,
-            releases_waiting: s.releases_waiting + kept,
+            releases_waiting: s.releases_waiting,
             pending_dispatch: s.pending_dispatch,
             bands: s.bands.len() as u64,
             admitted: c.admitted,
@@ -557,10 +612,9 @@ pub unsafe extern "C" fn kvroute_router_flow_bands(
 }
 
 /// Copy flow control's stats as JSON (the core's form: `enabled`, `queued`, `queued_bytes`,
-/// `releases_waiting` (with the releases the router keeps for a caller, as in
-/// `kvroute_flow_stats`), `pending_dispatch`, `shutting_down`, `bands` (with their fairness and
-/// ordering policies), `counters`; it may gain fields the structs lack). Strings out as in
-/// `kvroute_router_policy_json`.
+/// `releases_waiting`, `pending_dispatch`, `shutting_down`, `bands` (with their fairness and
+/// ordering policies), `counters`; it may gain fields the structs lack), counted as
+/// `kvroute_router_flow_stats` counts. Strings out as in `kvroute_router_policy_json`.
 ///
 /// Ownership: `router` stays the caller's; the text is copied into the caller's `buf`, nothing
 /// to free. NULL: `router` must not be NULL; `buf` may be NULL only when `buf_len` is 0;
@@ -582,7 +636,7 @@ pub unsafe extern "C" fn kvroute_router_flow_stats_json(
         let r = unsafe { handle(router) }?;
         let held = r.held();
         let mut s = r.core().flow_stats();
-        s.releases_waiting += held.len() as u64;
+        held.adjust(&mut s);
         drop(held);
         let text =
             serde_json::to_string(&s).map_err(|e| Error::new(crate::error::KVROUTE_RESULT_INTERNAL, e.to_string()))?;

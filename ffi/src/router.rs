@@ -3,10 +3,11 @@
 use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 
-use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Release, Router};
+use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Router};
 
 use crate::decision::kvroute_decision;
 use crate::error::{guard, guard_value, kvroute_result, Error, Result};
+use crate::flow::Held;
 use crate::ptr;
 use crate::types::{kvroute_role, kvroute_verdict, role_in, verdict_out};
 
@@ -20,12 +21,12 @@ pub struct kvroute_router {
     /// Flow-control releases taken from the core that did not fit the caller's buffer of
     /// `kvroute_router_take_releases`, oldest first: handed out first by the next call (see
     /// `flow.rs`). Locked before the core's state, never after it.
-    pub(crate) held: Mutex<Vec<Release>>,
+    pub(crate) held: Mutex<Held>,
 }
 
 impl kvroute_router {
     fn new(router: Router) -> Self {
-        kvroute_router { inner: Arc::new(router), held: Mutex::new(Vec::new()) }
+        kvroute_router { inner: Arc::new(router), held: Mutex::new(Held::default()) }
     }
 }
 
@@ -971,8 +972,8 @@ pub unsafe extern "C" fn kvroute_router_stats(
 }
 
 /// Copy the router's stats as JSON (the core's form: `policy_version`, `endpoints`,
-/// `inflight_requests`, `index`, `precise`, `counters`; it may gain fields the struct of
-/// `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
+/// `inflight_requests`, `index`, `precise`, `counters`, `flow` (as `kvroute_router_flow_stats_json`);
+/// it may gain fields the struct of `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
 /// safety: any thread.
 ///
 /// Ownership: `router` stays the caller's; nothing passed in is kept after the call.
@@ -990,8 +991,14 @@ pub unsafe extern "C" fn kvroute_router_stats_json(
 ) -> kvroute_result {
     guard("kvroute_router_stats_json", || {
         // SAFETY: the caller's contract for `router`.
-        let r = unsafe { self::router(router) }?;
-        let text = json(&r.stats())?;
+        let h = unsafe { ptr::obj(router, "router") }?;
+        // The flow stats as `kvroute_router_flow_stats` reports them (releases the handle keeps
+        // count when the caller takes them).
+        let held = h.held();
+        let mut stats = h.inner.stats();
+        held.adjust(&mut stats.flow);
+        drop(held);
+        let text = json(&stats)?;
         // SAFETY: the caller's contract for `buf` and `needed`.
         unsafe { ptr::copy_str(text.as_bytes(), buf, buf_len, needed) }
     })
