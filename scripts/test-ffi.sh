@@ -153,6 +153,7 @@ grep -q '^  mode: *decode-direct$' "$OUT/route.txt"
 )
 grep -q '^  mode: *decode-direct$' "$OUT/route-go.txt"
 grep -q 'KVROUTE_RESULT_REQUEST_ERROR' "$OUT/route-go.txt"
+grep -q '^flow control: queued ticket [0-9]*, dispatched after [0-9]* ms$' "$OUT/route-go.txt"
 
 step "bench program builds and runs (smoke run; numbers: ffi/bench/run.sh)"
 # shellcheck disable=SC2086
