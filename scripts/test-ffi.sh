@@ -29,6 +29,7 @@ rustup component list --installed | grep -q '^clippy' || rustup component add cl
 CRATES=(-p kvroute-ffi -p kvroute-ffi-header)
 TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-target}")
 NATIVE="$TARGET_DIR/tmp/native-decisions.tsv"
+NATIVE_FLOW="$TARGET_DIR/tmp/native-flow.tsv"
 
 step "format, clippy, rustdoc (warnings denied)"
 cargo fmt -p kvroute-ffi -p kvroute-ffi-header -- --check
@@ -37,8 +38,10 @@ RUSTDOCFLAGS="-D warnings" cargo doc "${CRATES[@]}" --no-deps --locked --quiet
 
 step "Rust tests: unit tests, header drift check (ffi/include/kvroute.h == cbindgen output), native decisions"
 # ffi/tests/native_decisions.rs writes <target>/tmp/native-decisions.tsv: the golden fixtures'
-# decisions made by the core directly, which the C golden test must reproduce byte for byte.
-rm -f "$NATIVE"
+# decisions made by the core directly, which the C golden test must reproduce byte for byte;
+# ffi/tests/native_flow.rs writes <target>/tmp/native-flow.tsv: the flow-control fixtures' trace
+# made by the core directly, which the C flow replay (golden_flow.c) must reproduce line for line.
+rm -f "$NATIVE" "$NATIVE_FLOW"
 cargo test "${CRATES[@]}" --locked
 
 step "libkvroute.so, libkvroute.a, kvroute.pc"
@@ -83,12 +86,13 @@ SHARED=$(pkg-config --cflags --libs kvroute)
 # Static: pkg-config's flags, with the archive picked explicitly (the build directory holds the
 # shared library too, which a plain -lkvroute would prefer).
 STATIC=$(pkg-config --cflags --static --libs kvroute | sed 's/-lkvroute\b/-l:libkvroute.a/')
-TESTS=(api errors golden threads subscribe)
+TESTS=(api errors golden golden_flow flow threads subscribe)
 args_of() {
   case "$1" in
     api) echo "fixtures" ;;
     golden) echo "fixtures/golden $NATIVE" ;;
-    threads) echo "${2:-200}" ;;
+    golden_flow) echo "fixtures/golden-flow $NATIVE_FLOW" ;;
+    threads | flow) echo "${2:-200}" ;;
     *) echo "" ;;
   esac
 }
@@ -117,7 +121,7 @@ VALGRIND=(valgrind -q --error-exitcode=99 --leak-check=full
   --show-leak-kinds=definite,indirect,possible --errors-for-leak-kinds=definite,indirect,possible
   --suppressions=ffi/tests/valgrind.supp)
 for t in "${TESTS[@]}"; do
-  # threads: fewer routes per thread under valgrind (it serializes threads).
+  # threads, flow: fewer routes per thread (and random steps) under valgrind (it serializes threads).
   # shellcheck disable=SC2046
   LD_LIBRARY_PATH="$LIBDIR" timeout 300 "${VALGRIND[@]}" "$OUT/plain/$t" $(args_of "$t" 25)
 done
@@ -149,6 +153,7 @@ grep -q '^  mode: *decode-direct$' "$OUT/route.txt"
 )
 grep -q '^  mode: *decode-direct$' "$OUT/route-go.txt"
 grep -q 'KVROUTE_RESULT_REQUEST_ERROR' "$OUT/route-go.txt"
+grep -q '^flow control: queued ticket [0-9]*, dispatched after [0-9]* ms$' "$OUT/route-go.txt"
 
 step "bench program builds and runs (smoke run; numbers: ffi/bench/run.sh)"
 # shellcheck disable=SC2086

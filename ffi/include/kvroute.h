@@ -265,6 +265,113 @@ typedef struct kvroute_stats {
     struct kvroute_router_counters counters;
 } kvroute_stats;
 
+// What flow control said about a request (`kvroute_admission::kind`).
+typedef uint32_t kvroute_admission_kind;
+
+// Why flow control refused or dropped a request: the core's stable reason codes
+// (`DropReason::code`); the header value is `kvroute_drop_reason_name`.
+typedef uint32_t kvroute_drop_reason;
+
+// A refusal: answer `status` with the header `x-llm-d-request-dropped-reason`
+// (`kvroute_header_dropped_reason()`) set to `reason_name`. All zero (and `reason_name` NULL)
+// when the request was not refused.
+typedef struct kvroute_rejection {
+    // HTTP status: 429 or 503 (0 when not refused).
+    uint16_t status;
+    // Why (`KVROUTE_DROP_REASON_*`).
+    kvroute_drop_reason reason;
+    // The header value (`"rejected-saturated"`, ...): a static string, never free it; NULL when
+    // not refused.
+    const char *reason_name;
+} kvroute_rejection;
+
+// The answer of `kvroute_router_admit`.
+typedef struct kvroute_admission {
+    // `KVROUTE_ADMISSION_ADMIT`, `_QUEUED` or `_REJECTED`.
+    kvroute_admission_kind kind;
+    // The ticket (`_QUEUED` only; never 0), else 0.
+    uint64_t ticket;
+    // The refusal (`_REJECTED` only), else all zero.
+    struct kvroute_rejection rejection;
+} kvroute_admission;
+
+// How a held request's wait ended (`kvroute_release::outcome`).
+typedef uint32_t kvroute_release_outcome;
+
+// One ticket's end, from `kvroute_router_take_releases`.
+typedef struct kvroute_release {
+    // The ticket `kvroute_router_admit` returned.
+    uint64_t ticket;
+    // `KVROUTE_RELEASE_DISPATCHED` (route the request now) or `KVROUTE_RELEASE_DROPPED`
+    // (answer with `rejection`).
+    kvroute_release_outcome outcome;
+    // The refusal (`_DROPPED` only), else all zero.
+    struct kvroute_rejection rejection;
+    // How long the request waited in the queue, milliseconds.
+    uint64_t waited_ms;
+} kvroute_release;
+
+// Flow control's counters and queue sizes (`kvroute_router_flow_stats`). Releases count as
+// dispatched or rejected when `kvroute_router_take_releases` hands them out.
+typedef struct kvroute_flow_stats {
+    // `flow_control.enabled` of the active policy.
+    bool enabled;
+    // `kvroute_router_shutdown_queue` was called.
+    bool shutting_down;
+    // Requests queued.
+    uint64_t queued;
+    // Request bytes queued.
+    uint64_t queued_bytes;
+    // Releases made and not yet taken by `kvroute_router_take_releases` (held by the core or
+    // by the router handle).
+    uint64_t releases_waiting;
+    // Requests released (or admitted) and not routed yet: they count as load.
+    uint64_t pending_dispatch;
+    // Priority bands (`kvroute_router_flow_bands`).
+    uint64_t bands;
+    // Requests admitted at once.
+    uint64_t admitted;
+    // Requests queued (tickets issued).
+    uint64_t enqueued;
+    // Tickets released to be routed.
+    uint64_t dispatched;
+    // Tickets cancelled.
+    uint64_t cancelled;
+    // Sheddable requests shed before queueing (also in `rejections`, as rejected-saturated).
+    uint64_t shed;
+    // Rejections (at admission and of queued requests) by reason, indexed by
+    // `kvroute_drop_reason` (index 0, `KVROUTE_DROP_REASON_NONE`, stays 0).
+    uint64_t rejections[7];
+} kvroute_flow_stats;
+
+// One priority band's queue (`kvroute_router_flow_bands`).
+typedef struct kvroute_flow_band {
+    // The band's priority (higher dispatches first; negative is sheddable).
+    int32_t priority;
+    // Requests queued.
+    uint64_t queued;
+    // Request bytes queued.
+    uint64_t queued_bytes;
+    // Flows (fairness ids) with queued requests.
+    uint64_t active_flows;
+    // The band dispatches while saturation is below this (after the priority holdback).
+    double ceiling;
+} kvroute_flow_band;
+
+// The pool's saturation as flow control measures it (`kvroute_router_flow_saturation`).
+typedef struct kvroute_flow_saturation {
+    // What the bands' ceilings are compared with.
+    double pool;
+    // The decode pool (endpoints with role decode or both).
+    double decode;
+    // Whether there is a prefill pool (`prefill` is then set).
+    bool has_prefill;
+    // The prefill pool (0 when `has_prefill` is false).
+    double prefill;
+    // Healthy decode-capable endpoints (0: no endpoints).
+    uint32_t decode_endpoints;
+} kvroute_flow_saturation;
+
 // The judgment a decision used (hint headers, the derived rubric, or both).
 typedef struct kvroute_judgment {
     // Generation horizon (`KVROUTE_HORIZON_*`).
@@ -554,6 +661,45 @@ typedef struct kvroute_subscriber_stats {
 
 // Always connect.
 #define KVROUTE_SOCKET_MODE_CONNECT 2
+
+// Route the request now (`kvroute_router_route`), as without flow control.
+#define KVROUTE_ADMISSION_ADMIT 1
+
+// Hold the request (do not route it) until its ticket comes back from
+// `kvroute_router_take_releases`.
+#define KVROUTE_ADMISSION_QUEUED 2
+
+// Refuse the request: answer `rejection.status` with the header
+// `x-llm-d-request-dropped-reason: rejection.reason_name`.
+#define KVROUTE_ADMISSION_REJECTED 3
+
+// Route the held request now.
+#define KVROUTE_RELEASE_DISPATCHED 1
+
+// Answer the held request's client with `rejection` (status and reason header).
+#define KVROUTE_RELEASE_DROPPED 2
+
+// Not refused (the `reason` of an admitted, queued or dispatched request).
+#define KVROUTE_DROP_REASON_NONE 0
+
+// `rejected-saturated` (429): the queue is full, or a sheddable request was shed before
+// queueing.
+#define KVROUTE_DROP_REASON_REJECTED_SATURATED 1
+
+// `rejected-ttl-expired` (429): the request waited its whole queue TTL.
+#define KVROUTE_DROP_REASON_REJECTED_TTL_EXPIRED 2
+
+// `rejected-no-endpoints` (503): the pool has no healthy decode-capable endpoint.
+#define KVROUTE_DROP_REASON_REJECTED_NO_ENDPOINTS 3
+
+// `rejected-shutting-down` (503): `kvroute_router_shutdown_queue` was called.
+#define KVROUTE_DROP_REASON_REJECTED_SHUTTING_DOWN 4
+
+// `evicted-priority` (429): a queued sheddable request made room for a higher-priority one.
+#define KVROUTE_DROP_REASON_EVICTED_PRIORITY 5
+
+// `evicted-queue-pressure` (429): a reload lowered the limits below what was queued.
+#define KVROUTE_DROP_REASON_EVICTED_QUEUE_PRESSURE 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -1054,8 +1200,8 @@ kvroute_result kvroute_router_stats(const struct kvroute_router *router,
                                     struct kvroute_stats *out);
 
 // Copy the router's stats as JSON (the core's form: `policy_version`, `endpoints`,
-// `inflight_requests`, `index`, `precise`, `counters`; it may gain fields the struct of
-// `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
+// `inflight_requests`, `index`, `precise`, `counters`, `flow` (as `kvroute_router_flow_stats_json`);
+// it may gain fields the struct of `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
 // safety: any thread.
 //
 // Ownership: `router` stays the caller's; nothing passed in is kept after the call.
@@ -1084,6 +1230,224 @@ kvroute_result kvroute_router_endpoints_json(const struct kvroute_router *router
                                              char *buf,
                                              size_t buf_len,
                                              size_t *needed);
+
+// Ask flow control about one HTTP request (the body and headers `kvroute_router_route` takes)
+// at `now_ms`, before routing it, and store the answer in `*out` (written only on success):
+//
+// - `KVROUTE_ADMISSION_ADMIT`: route it now with `kvroute_router_route`;
+// - `KVROUTE_ADMISSION_QUEUED`: hold it (do not route it) until `out->ticket` comes back from
+//   `kvroute_router_take_releases`; call `kvroute_router_cancel` if its client goes away;
+// - `KVROUTE_ADMISSION_REJECTED`: answer `out->rejection.status` with the header
+//   `x-llm-d-request-dropped-reason: out->rejection.reason_name`; done.
+//
+// The request's flow is its fairness id (`x-llm-d-inference-fairness-id`) and priority
+// (`x-llm-d-inference-objective`, `x-kvroute-priority`); its size is `body_len`. With flow
+// control off (the default) the answer is always ADMIT, so a caller can follow the protocol
+// unconditionally. An admission may also drop queued requests (evicting sheddable ones): their
+// releases wait for `kvroute_router_take_releases`.
+//
+// Errors: `KVROUTE_RESULT_REQUEST_ERROR` (the body field in `kvroute_last_error_field`, or the
+// header in `kvroute_last_error_header`), `KVROUTE_RESULT_INVALID_UTF8` (a header).
+//
+// Ownership: nothing is kept from the arguments; `*out` is a plain struct whose `reason_name`
+// is a static string (never free it). NULL: `router` and `out` must not be NULL; `body` and
+// `headers` only when their lengths are 0. Thread safety: any thread, concurrently.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `body` is NULL or valid for `body_len` bytes; `headers`
+// is NULL or valid for `header_count` elements whose pointers are valid for their lengths;
+// `out` is NULL or valid for one write.
+kvroute_result kvroute_router_admit(const struct kvroute_router *router,
+                                    const char *body,
+                                    size_t body_len,
+                                    const struct kvroute_header *headers,
+                                    size_t header_count,
+                                    uint64_t now_ms,
+                                    struct kvroute_admission *out);
+
+// A dispatch opportunity at `now_ms` (expire requests past their TTL, release what the pool
+// has room for), then copy the releases made since the last call into `buf`, oldest first:
+// each ends one ticket (DISPATCHED: route the held request now; DROPPED: answer with its
+// rejection). Call it after every completion, metrics update, endpoint change and reload, and
+// on a timer while requests are queued (`kvroute_router_next_flow_deadline`).
+//
+// Buffer: at most `cap` releases are copied; `*n` receives how many. Releases that do not fit
+// are NOT lost: the router keeps them, in order, and the next call hands them out first (before
+// anything newer); `*remaining` receives how many it keeps (0: all taken). Call again while
+// `*remaining` is not 0 (each call is also a dispatch opportunity, which is harmless).
+// `buf = NULL, cap = 0` takes nothing and tells in `*remaining` how many are waiting. A kept
+// release can still be cancelled, and the stats views (`kvroute_router_flow_stats`, `_json`,
+// `kvroute_router_stats_json`) count it as waiting until a call hands it out. Two differences
+// from a buffer large enough (the core hands over every release at once): the Prometheus page
+// (`kvroute_router_metrics_text`) counts kept releases as dispatched or dropped at once (also a
+// kept one cancelled later), and a kept DISPATCHED release that is cancelled keeps counting as
+// load until its one-second grace lapses (instead of at once).
+//
+// Ownership: the releases are copied into the caller's `buf` (plain structs; `reason_name` is
+// a static string, never free it). NULL: `router`, `n` and `remaining` must not be NULL; `buf`
+// may be NULL only when `cap` is 0. `buf`, `*n` and `*remaining` are written only on success.
+// Thread safety: any thread; concurrent callers each get different releases, each release goes
+// to exactly one caller.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `buf` is NULL or valid for writes of `cap` elements; `n`
+// and `remaining` are NULL or valid for one write.
+kvroute_result kvroute_router_take_releases(const struct kvroute_router *router,
+                                            uint64_t now_ms,
+                                            struct kvroute_release *buf,
+                                            size_t cap,
+                                            size_t *n,
+                                            size_t *remaining);
+
+// A dispatch opportunity at `now_ms` with no other event (expire requests past their TTL,
+// release what the pool has room for). Its releases wait for `kvroute_router_take_releases`
+// (which makes an opportunity itself: call this only when you take releases elsewhere).
+//
+// Ownership: `router` stays the caller's; nothing passed in is kept after the call. NULL:
+// `router` must not be NULL. Thread safety: any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router.
+kvroute_result kvroute_router_flow_tick(const struct kvroute_router *router,
+                                        uint64_t now_ms);
+
+// The client of a held request went away: remove its ticket. `*found` (optional, may be NULL;
+// written only on success) is true when the ticket was held (queued, or released and not yet
+// taken): it then never appears in a release; false for a ticket already ended (taken,
+// cancelled) or never issued (0 is never issued).
+//
+// Ownership: `router` stays the caller's; nothing passed in is kept after the call. NULL:
+// `router` must not be NULL. Thread safety: any thread; a ticket ends exactly once, whichever
+// of a concurrent cancel and take comes first.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `found` is NULL or valid for one write.
+kvroute_result kvroute_router_cancel(const struct kvroute_router *router,
+                                     uint64_t ticket,
+                                     bool *found);
+
+// Drop every queued request with 503 `rejected-shutting-down` (as releases, for
+// `kvroute_router_take_releases`) and refuse later admissions the same way: for a router about
+// to stop. Releases made before stay as they are.
+//
+// Ownership: `router` stays the caller's; nothing passed in is kept after the call. NULL:
+// `router` must not be NULL. Thread safety: any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router.
+kvroute_result kvroute_router_shutdown_queue(const struct kvroute_router *router);
+
+// When to call `kvroute_router_take_releases` next if nothing else happens: the soonest time
+// (on the `now_ms` clock) flow control would act on its own (a queue TTL, the no-endpoint TTL
+// while the pool is empty, a released request's load lapsing), stored in `*deadline_ms`
+// (written only on success). It may be early, never late; 0 when the router keeps releases a
+// caller's buffer could not take (take them now). `KVROUTE_RESULT_ABSENT` (not recorded as an
+// error) when nothing is queued or flow control is off. Completions, metrics updates and
+// endpoint changes are opportunities of their own.
+//
+// Ownership: `router` stays the caller's; the value is copied out. NULL: `router` and
+// `deadline_ms` must not be NULL. Thread safety: any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `deadline_ms` is NULL or valid for one write.
+kvroute_result kvroute_router_next_flow_deadline(const struct kvroute_router *router,
+                                                 uint64_t *deadline_ms);
+
+// Store flow control's counters and queue sizes in `*out` (written only on success); the
+// bands are copied by `kvroute_router_flow_bands`, everything as JSON by
+// `kvroute_router_flow_stats_json`.
+//
+// Ownership: `router` stays the caller's; the snapshot is copied out. NULL: `router` and `out`
+// must not be NULL. Thread safety: any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `out` is NULL or valid for one write.
+kvroute_result kvroute_router_flow_stats(const struct kvroute_router *router,
+                                         struct kvroute_flow_stats *out);
+
+// Copy flow control's priority bands, highest priority first, into `buf` (`cap` elements).
+// `*count` receives the number of bands on `KVROUTE_RESULT_OK` and on
+// `KVROUTE_RESULT_BUFFER_TOO_SMALL` (then `buf` is untouched; bands appear when configured or
+// first used, at most 64 — a buffer of 64 always fits). `buf = NULL, cap = 0` is a size query.
+//
+// Ownership: `router` stays the caller's; the bands are copied into the caller's `buf`. NULL:
+// `router` and `count` must not be NULL; `buf` may be NULL only when `cap` is 0. Thread safety:
+// any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `buf` is NULL or valid for writes of `cap` elements;
+// `count` is NULL or valid for one write.
+kvroute_result kvroute_router_flow_bands(const struct kvroute_router *router,
+                                         struct kvroute_flow_band *buf,
+                                         size_t cap,
+                                         size_t *count);
+
+// Copy flow control's stats as JSON (the core's form: `enabled`, `queued`, `queued_bytes`,
+// `releases_waiting`, `pending_dispatch`, `shutting_down`, `bands` (with their fairness and
+// ordering policies), `counters`; it may gain fields the structs lack), counted as
+// `kvroute_router_flow_stats` counts. Strings out as in `kvroute_router_policy_json`.
+//
+// Ownership: `router` stays the caller's; the text is copied into the caller's `buf`, nothing
+// to free. NULL: `router` must not be NULL; `buf` may be NULL only when `buf_len` is 0;
+// `needed` may be NULL. Thread safety: any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `buf` is NULL or valid for `buf_len` bytes; `needed` is
+// NULL or valid for one write.
+kvroute_result kvroute_router_flow_stats_json(const struct kvroute_router *router,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *needed);
+
+// Store the pool's saturation at `now_ms`, as flow control measures it (under the active
+// policy's detector, whether flow control is on or not), in `*out` (written only on success).
+//
+// Ownership: `router` stays the caller's; the value is copied out. NULL: `router` and `out`
+// must not be NULL. Thread safety: any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `out` is NULL or valid for one write.
+kvroute_result kvroute_router_flow_saturation(const struct kvroute_router *router,
+                                              uint64_t now_ms,
+                                              struct kvroute_flow_saturation *out);
+
+// The name of the response header carrying a refusal's reason,
+// `"x-llm-d-request-dropped-reason"` (llm-d's convention). Static string.
+//
+// Ownership: the returned string is static: never free it. NULL: takes no pointer. Thread
+// safety: any thread.
+const char *kvroute_header_dropped_reason(void);
+
+// The header value of a reason (`"rejected-saturated"`, `"rejected-ttl-expired"`,
+// `"rejected-no-endpoints"`, `"rejected-shutting-down"`, `"evicted-priority"`,
+// `"evicted-queue-pressure"`), or NULL for `KVROUTE_DROP_REASON_NONE` and unknown values.
+// Static string.
+//
+// Ownership: the returned string is static: never free it. NULL: takes no pointer. Thread
+// safety: any thread.
+const char *kvroute_drop_reason_name(kvroute_drop_reason reason);
+
+// `"admit"`, `"queued"`, `"rejected"`, or NULL for an unknown value. Static string.
+//
+// Ownership: the returned string is static: never free it. NULL: takes no pointer. Thread
+// safety: any thread.
+const char *kvroute_admission_kind_name(kvroute_admission_kind kind);
+
+// `"dispatched"`, `"dropped"`, or NULL for an unknown value. Static string.
+//
+// Ownership: the returned string is static: never free it. NULL: takes no pointer. Thread
+// safety: any thread.
+const char *kvroute_release_outcome_name(kvroute_release_outcome outcome);
 
 // Free a decision. NULL is a no-op.
 //

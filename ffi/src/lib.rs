@@ -49,6 +49,8 @@ mod types;
 
 mod router;
 
+mod flow;
+
 mod decision;
 
 mod subscription;
@@ -67,6 +69,7 @@ pub use error::{
     KVROUTE_RESULT_TOKENIZER_ERROR, KVROUTE_RESULT_TOO_MANY_ENDPOINTS, KVROUTE_RESULT_UNKNOWN_ENDPOINT,
     KVROUTE_RESULT_UNKNOWN_REQUEST, KVROUTE_RESULT_UNSUPPORTED,
 };
+pub use flow::*;
 pub use router::*;
 pub use subscription::*;
 pub use types::*;

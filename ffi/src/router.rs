@@ -1,12 +1,13 @@
 //! `kvroute_router`: the core router behind an opaque handle.
 
 use std::ffi::c_char;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kvroute::{EndpointSpec, MetricsSnapshot, Policy, Router};
 
 use crate::decision::kvroute_decision;
 use crate::error::{guard, guard_value, kvroute_result, Error, Result};
+use crate::flow::Held;
 use crate::ptr;
 use crate::types::{kvroute_role, kvroute_verdict, role_in, verdict_out};
 
@@ -17,6 +18,16 @@ use crate::types::{kvroute_role, kvroute_verdict, role_in, verdict_out};
 /// once (the core router is `Send + Sync`: an atomically swapped policy and one state mutex).
 pub struct kvroute_router {
     pub(crate) inner: Arc<Router>,
+    /// Flow-control releases taken from the core that did not fit the caller's buffer of
+    /// `kvroute_router_take_releases`, oldest first: handed out first by the next call (see
+    /// `flow.rs`). Locked before the core's state, never after it.
+    pub(crate) held: Mutex<Held>,
+}
+
+impl kvroute_router {
+    fn new(router: Router) -> Self {
+        kvroute_router { inner: Arc::new(router), held: Mutex::new(Held::default()) }
+    }
 }
 
 /// One request header (or any name/value pair): pointers and lengths, not NUL-terminated.
@@ -258,6 +269,28 @@ unsafe fn router<'a>(router: *const kvroute_router) -> Result<&'a Router> {
     unsafe { ptr::obj(router, "router") }.map(|r| &*r.inner)
 }
 
+/// Check every header (UTF-8; pointers NULL only with length 0) without allocating, then give
+/// the core an iterator over the (name, value) pairs.
+///
+/// # Safety
+///
+/// Every header's pointers are NULL or valid for their lengths, for `'a`.
+pub(crate) unsafe fn header_pairs<'a>(
+    headers: &'a [kvroute_header],
+) -> Result<impl Iterator<Item = (&'a str, &'a str)> + 'a> {
+    let pair = |h: &'a kvroute_header| -> Result<(&'a str, &'a str)> {
+        // SAFETY: the caller's contract for each header's pointers.
+        let name = unsafe { ptr::text(h.name, h.name_len, "header name") }?;
+        // SAFETY: as above.
+        let value = unsafe { ptr::text(h.value, h.value_len, "header value") }?;
+        Ok((name, value))
+    };
+    for h in headers {
+        pair(h)?;
+    }
+    Ok(headers.iter().filter_map(move |h| pair(h).ok()))
+}
+
 fn json<T: serde::Serialize>(v: &T) -> Result<String> {
     serde_json::to_string(v).map_err(|e| Error::new(crate::error::KVROUTE_RESULT_INTERNAL, e.to_string()))
 }
@@ -288,7 +321,7 @@ pub unsafe extern "C" fn kvroute_router_new(
         // SAFETY: the caller's contract for `config`.
         let text = unsafe { ptr::text(config, config_len, "config") }?;
         let policy = if config.is_null() { Policy::default() } else { Policy::from_str_auto(text)? };
-        let handle = Box::new(kvroute_router { inner: Arc::new(Router::new(policy)) });
+        let handle = Box::new(kvroute_router::new(Router::new(policy)));
         // SAFETY: `out` is non-NULL and valid for one write by the caller's contract.
         unsafe { ptr::write(out, Box::into_raw(handle)) };
         Ok(())
@@ -651,18 +684,8 @@ pub unsafe extern "C" fn kvroute_router_route(
         let body = unsafe { ptr::slice(body.cast::<u8>(), body_len, "body") }?;
         // SAFETY: the caller's contract for `headers`.
         let headers = unsafe { ptr::slice(headers, header_count, "headers") }?;
-        // Check every header first (no allocation), then hand the core an iterator over them.
-        let pair = |h: &kvroute_header| -> Result<(&str, &str)> {
-            // SAFETY: the caller's contract for each header's pointers.
-            let name = unsafe { ptr::text(h.name, h.name_len, "header name") }?;
-            // SAFETY: as above.
-            let value = unsafe { ptr::text(h.value, h.value_len, "header value") }?;
-            Ok((name, value))
-        };
-        for h in headers {
-            pair(h)?;
-        }
-        let pairs = headers.iter().filter_map(|h| pair(h).ok());
+        // SAFETY: the caller's contract for each header's pointers.
+        let pairs = unsafe { header_pairs(headers) }?;
         let decision = r.route_http(body, pairs, now_ms)?;
         let handle = Box::new(kvroute_decision { inner: decision });
         // SAFETY: `out` is non-NULL and valid for one write by the caller's contract.
@@ -949,8 +972,8 @@ pub unsafe extern "C" fn kvroute_router_stats(
 }
 
 /// Copy the router's stats as JSON (the core's form: `policy_version`, `endpoints`,
-/// `inflight_requests`, `index`, `precise`, `counters`; it may gain fields the struct of
-/// `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
+/// `inflight_requests`, `index`, `precise`, `counters`, `flow` (as `kvroute_router_flow_stats_json`);
+/// it may gain fields the struct of `kvroute_stats` lacks). Strings out as in `kvroute_router_policy_json`. Thread
 /// safety: any thread.
 ///
 /// Ownership: `router` stays the caller's; nothing passed in is kept after the call.
@@ -968,8 +991,14 @@ pub unsafe extern "C" fn kvroute_router_stats_json(
 ) -> kvroute_result {
     guard("kvroute_router_stats_json", || {
         // SAFETY: the caller's contract for `router`.
-        let r = unsafe { self::router(router) }?;
-        let text = json(&r.stats())?;
+        let h = unsafe { ptr::obj(router, "router") }?;
+        // The flow stats as `kvroute_router_flow_stats` reports them (releases the handle keeps
+        // count when the caller takes them).
+        let held = h.held();
+        let mut stats = h.inner.stats();
+        held.adjust(&mut stats.flow);
+        drop(held);
+        let text = json(&stats)?;
         // SAFETY: the caller's contract for `buf` and `needed`.
         unsafe { ptr::copy_str(text.as_bytes(), buf, buf_len, needed) }
     })

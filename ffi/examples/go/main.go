@@ -7,7 +7,9 @@
 //	export PKG_CONFIG_PATH=$PWD/target/release LD_LIBRARY_PATH=$PWD/target/release
 //	(cd ffi/examples/go && go run .)
 //
-// It exits 0 when both routes succeeded and the repeated request went where the first one did.
+// It exits 0 when both routes succeeded and the repeated request went where the first one did,
+// and when flow control held a second request until the first completed (admit, ticket,
+// release).
 package main
 
 /*
@@ -101,29 +103,81 @@ func (r *Router) AddEndpoint(id string, waiting uint32, kvUsage float64, nowMs u
 	return check(C.kvroute_router_update_metrics(r.p, cid, &m))
 }
 
-// Route routes one request body with headers. The header strings are copied to C memory: cgo
-// forbids passing C a Go array that holds Go pointers.
-func (r *Router) Route(body string, headers map[string]string, nowMs uint64) (*Decision, error) {
-	hs := (*[64]C.kvroute_header)(C.malloc(C.size_t(unsafe.Sizeof(C.kvroute_header{})) * 64))
-	defer C.free(unsafe.Pointer(hs))
-	n := 0
-	for k, v := range headers {
-		if n == len(hs) {
-			return nil, errors.New("too many headers")
-		}
-		hs[n].name, hs[n].name_len = C.CString(k), C.size_t(len(k))
-		hs[n].value, hs[n].value_len = C.CString(v), C.size_t(len(v))
-		defer C.free(unsafe.Pointer(hs[n].name))
-		defer C.free(unsafe.Pointer(hs[n].value))
-		n++
+// cRequest is a request body and headers copied to C memory: cgo forbids passing C a Go array
+// that holds Go pointers. Free it with free.
+type cRequest struct {
+	body    *C.char
+	bodyLen C.size_t
+	headers *[64]C.kvroute_header
+	n       C.size_t
+}
+
+func newCRequest(body string, headers map[string]string) (*cRequest, error) {
+	if len(headers) > 64 {
+		return nil, errors.New("too many headers")
 	}
-	cb := C.CString(body)
-	defer C.free(unsafe.Pointer(cb))
+	q := &cRequest{body: C.CString(body), bodyLen: C.size_t(len(body))}
+	q.headers = (*[64]C.kvroute_header)(C.malloc(C.size_t(unsafe.Sizeof(C.kvroute_header{})) * 64))
+	for k, v := range headers {
+		h := &q.headers[q.n]
+		h.name, h.name_len = C.CString(k), C.size_t(len(k))
+		h.value, h.value_len = C.CString(v), C.size_t(len(v))
+		q.n++
+	}
+	return q, nil
+}
+
+func (q *cRequest) free() {
+	for i := C.size_t(0); i < q.n; i++ {
+		C.free(unsafe.Pointer(q.headers[i].name))
+		C.free(unsafe.Pointer(q.headers[i].value))
+	}
+	C.free(unsafe.Pointer(q.headers))
+	C.free(unsafe.Pointer(q.body))
+}
+
+// Route routes one request body with headers.
+func (r *Router) Route(body string, headers map[string]string, nowMs uint64) (*Decision, error) {
+	q, err := newCRequest(body, headers)
+	if err != nil {
+		return nil, err
+	}
+	defer q.free()
 	var d *C.kvroute_decision
-	if err := check(C.kvroute_router_route(r.p, cb, C.size_t(len(body)), &hs[0], C.size_t(n), C.uint64_t(nowMs), &d)); err != nil {
+	if err := check(C.kvroute_router_route(r.p, q.body, q.bodyLen, &q.headers[0], q.n, C.uint64_t(nowMs), &d)); err != nil {
 		return nil, err
 	}
 	return &Decision{d}, nil
+}
+
+// Admit asks flow control about a request before routing it: admit now, a ticket to wait for,
+// or a rejection (status and x-llm-d-request-dropped-reason value).
+func (r *Router) Admit(body string, headers map[string]string, nowMs uint64) (C.kvroute_admission, error) {
+	var a C.kvroute_admission
+	q, err := newCRequest(body, headers)
+	if err != nil {
+		return a, err
+	}
+	defer q.free()
+	err = check(C.kvroute_router_admit(r.p, q.body, q.bodyLen, &q.headers[0], q.n, C.uint64_t(nowMs), &a))
+	return a, err
+}
+
+// TakeReleases makes a dispatch opportunity and returns every release made since the last call
+// (taking again while the router says some remain: nothing is lost when the buffer is small).
+func (r *Router) TakeReleases(nowMs uint64) ([]C.kvroute_release, error) {
+	var out []C.kvroute_release
+	var buf [16]C.kvroute_release
+	for {
+		var n, remaining C.size_t
+		if err := check(C.kvroute_router_take_releases(r.p, C.uint64_t(nowMs), &buf[0], C.size_t(len(buf)), &n, &remaining)); err != nil {
+			return out, err
+		}
+		out = append(out, buf[:n]...)
+		if remaining == 0 {
+			return out, nil
+		}
+	}
 }
 
 // Complete releases a finished request's in-flight counters.
@@ -238,6 +292,72 @@ func (d *Decision) print() error {
 	return nil
 }
 
+// flowControl holds a second request in the router's queue while the only slot is busy, and
+// releases it when the first completes: the call protocol a gateway follows.
+func flowControl(now uint64) error {
+	router, err := NewRouter(`{"flow_control": {"enabled": true, "saturation_detector": ` +
+		`{"kind": "concurrency", "max_requests_per_endpoint": 1}}}`)
+	if err != nil {
+		return err
+	}
+	defer router.Close()
+	cid := C.CString("10.0.0.1:8000")
+	defer C.free(unsafe.Pointer(cid))
+	if err := check(C.kvroute_router_upsert_endpoint(router.p, cid, C.KVROUTE_ROLE_DECODE)); err != nil {
+		return err
+	}
+	body := `{"model":"llama","prompt":"hello","max_tokens":16}`
+	tenant := map[string]string{"x-llm-d-inference-fairness-id": "tenant-a"}
+	first, err := router.Admit(body, tenant, now)
+	if err != nil {
+		return err
+	}
+	if first.kind != C.KVROUTE_ADMISSION_ADMIT {
+		return fmt.Errorf("the first request was %s, not admitted", name(C.kvroute_admission_kind_name(first.kind)))
+	}
+	d, err := router.Route(body, tenant, now)
+	if err != nil {
+		return err
+	}
+	firstID, err := d.RequestID()
+	d.Close()
+	if err != nil {
+		return err
+	}
+	second, err := router.Admit(body, tenant, now+1)
+	if err != nil {
+		return err
+	}
+	if second.kind != C.KVROUTE_ADMISSION_QUEUED {
+		return fmt.Errorf("the second request was %s, not queued", name(C.kvroute_admission_kind_name(second.kind)))
+	}
+	if rs, err := router.TakeReleases(now + 2); err != nil || len(rs) != 0 {
+		return fmt.Errorf("released while the slot is busy: %v %v", rs, err)
+	}
+	if err := router.Complete(firstID); err != nil {
+		return err
+	}
+	rs, err := router.TakeReleases(now + 5)
+	if err != nil {
+		return err
+	}
+	if len(rs) != 1 || rs[0].ticket != second.ticket || rs[0].outcome != C.KVROUTE_RELEASE_DISPATCHED {
+		return fmt.Errorf("expected ticket %d dispatched, got %v", uint64(second.ticket), rs)
+	}
+	d, err = router.Route(body, tenant, now+5)
+	if err != nil {
+		return err
+	}
+	secondID, err := d.RequestID()
+	d.Close()
+	if err != nil {
+		return err
+	}
+	fmt.Printf("flow control: queued ticket %d, %s after %d ms\n", uint64(second.ticket),
+		name(C.kvroute_release_outcome_name(rs[0].outcome)), uint64(rs[0].waited_ms))
+	return router.Complete(secondID)
+}
+
 func run() error {
 	fmt.Printf("libkvroute %s (from Go)\n", C.GoString(C.kvroute_version()))
 	router, err := NewRouter(`{"metrics": {"staleness_ms": 60000}}`)
@@ -289,7 +409,7 @@ func run() error {
 		}
 		fmt.Printf("malformed body: %v\n", err)
 	}
-	return nil
+	return flowControl(now)
 }
 
 func main() {
