@@ -12,6 +12,10 @@
 //!   Python threads share it without any lock of the binding's own;
 //! - `Decision` (src/decision.rs) wraps the core `Decision`; its Python views (headers, scores, …) are
 //!   built only when accessed, so `route()` costs one core call and one object allocation;
+//! - `Admission`, `Rejection`, `Release` (src/flow.rs) carry flow control's answers; the router
+//!   is driven either with tickets (`enqueue` / `take_releases` / `cancel`) or by
+//!   `await router.admit(...)`, whose dispatcher (pure Python, `kvroute._flow`) holds a future per
+//!   queued ticket and is called at every dispatch opportunity;
 //! - `Subscription` (src/subscription.rs) runs the core's ZMQ subscriber: a native thread that feeds
 //!   KV events to the router with no Python on the way;
 //! - `simulate` (src/sim.rs) exposes the trace simulator of `kvroute-sim`.
@@ -19,6 +23,7 @@
 mod convert;
 mod decision;
 mod errors;
+mod flow;
 mod policy;
 mod router;
 mod sim;
@@ -46,6 +51,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<decision::EndpointScore>()?;
     m.add_class::<decision::ApplyOutcome>()?;
     m.add_class::<subscription::Subscription>()?;
+    m.add_class::<flow::Admission>()?;
+    m.add_class::<flow::Rejection>()?;
+    m.add_class::<flow::Release>()?;
+    m.add("HEADER_DROPPED_REASON", kvroute::HEADER_DROPPED_REASON)?;
     m.add_class::<sim::SimulationResult>()?;
     m.add_function(wrap_pyfunction!(now_ms, m)?)?;
     m.add_function(wrap_pyfunction!(sim::simulate, m)?)?;

@@ -18,6 +18,7 @@ use kvroute::{EndpointSpec, MetricsSnapshot, Role};
 use crate::convert::{self, now_or_clock};
 use crate::decision::{ApplyOutcome, Decision};
 use crate::errors;
+use crate::flow::{Admission, FlowHold, Release, MODE_AWAIT, MODE_TICKETS};
 use crate::policy::Policy;
 use crate::subscription::Subscription;
 
@@ -37,19 +38,32 @@ fn role(s: &str) -> PyResult<Role> {
 /// router between threads; every call releases the GIL while the core works.
 ///
 /// Every `now` argument is milliseconds on the router's clock and defaults to `now_ms()` (UNIX
-/// milliseconds), the clock the ZMQ subscriber uses too.
-#[pyclass(frozen, module = "kvroute", name = "Router")]
+/// milliseconds), the clock the ZMQ subscriber uses too. `flow_clock` (a callable returning
+/// milliseconds, default `now_ms`) is the clock `await admit()` uses for the dispatch
+/// opportunities it makes itself and for its timer.
+#[pyclass(frozen, weakref, module = "kvroute", name = "Router")]
 pub(crate) struct Router {
     pub(crate) inner: Arc<kvroute::Router>,
+    /// Flow control on the Python side: how the router is driven, the dispatcher of `admit`.
+    flow: FlowHold,
 }
 
 #[pymethods]
 impl Router {
     #[new]
-    #[pyo3(signature = (config = None))]
-    fn new(py: Python<'_>, config: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (config = None, *, flow_clock = None))]
+    fn new(py: Python<'_>, config: Option<&Bound<'_, PyAny>>, flow_clock: Option<Bound<'_, PyAny>>) -> PyResult<Self> {
+        let flow_clock = flow_clock.filter(|c| !c.is_none());
+        if let Some(c) = &flow_clock {
+            if !c.is_callable() {
+                return Err(PyTypeError::new_err(format!(
+                    "flow_clock must be a callable returning milliseconds, not {}",
+                    convert::type_name(c)
+                )));
+            }
+        }
         let policy = convert::policy(py, config)?;
-        Ok(Router { inner: Arc::new(kvroute::Router::new(policy)) })
+        Ok(Router { inner: Arc::new(kvroute::Router::new(policy)), flow: FlowHold::new(flow_clock.map(Bound::unbind)) })
     }
 
     /// Replace the policy atomically and return its version. `config` is what `Router()`
@@ -61,12 +75,15 @@ impl Router {
             ));
         }
         let source = convert::config_source(Some(config))?;
-        if let convert::ConfigSource::Policy(p) = source {
-            return Ok(py.detach(|| self.inner.reload(*p)));
-        }
-        // Documents go through `reload_str`, so the core counts rejected ones.
-        let text = source.text(py)?.unwrap_or_default();
-        py.detach(|| self.inner.reload_str(text)).map_err(|e| errors::config(py, &e))
+        let version = if let convert::ConfigSource::Policy(p) = source {
+            py.detach(|| self.inner.reload(*p))
+        } else {
+            // Documents go through `reload_str`, so the core counts rejected ones.
+            let text = source.text(py)?.unwrap_or_default();
+            py.detach(|| self.inner.reload_str(text)).map_err(|e| errors::config(py, &e))?
+        };
+        self.flow.opportunity(py, None);
+        Ok(version)
     }
 
     /// The active policy.
@@ -86,17 +103,23 @@ impl Router {
     #[pyo3(signature = (endpoint, role = "decode"))]
     fn upsert_endpoint(&self, py: Python<'_>, endpoint: &str, role: &str) -> PyResult<()> {
         let spec = EndpointSpec::new(endpoint, self::role(role)?);
-        py.detach(|| self.inner.upsert_endpoint(spec)).map_err(|e| errors::state(py, &e))
+        py.detach(|| self.inner.upsert_endpoint(spec)).map_err(|e| errors::state(py, &e))?;
+        self.flow.opportunity(py, None);
+        Ok(())
     }
 
     /// Remove an endpoint (its index entries and in-flight requests are forgotten).
     fn remove_endpoint(&self, py: Python<'_>, endpoint: &str) -> PyResult<()> {
-        py.detach(|| self.inner.remove_endpoint(endpoint)).map_err(|e| errors::state(py, &e))
+        py.detach(|| self.inner.remove_endpoint(endpoint)).map_err(|e| errors::state(py, &e))?;
+        self.flow.opportunity(py, None);
+        Ok(())
     }
 
     /// Mark an endpoint healthy or not (unhealthy endpoints are never picked).
     fn set_healthy(&self, py: Python<'_>, endpoint: &str, healthy: bool) -> PyResult<()> {
-        py.detach(|| self.inner.set_healthy(endpoint, healthy)).map_err(|e| errors::state(py, &e))
+        py.detach(|| self.inner.set_healthy(endpoint, healthy)).map_err(|e| errors::state(py, &e))?;
+        self.flow.opportunity(py, None);
+        Ok(())
     }
 
     /// Store a metrics snapshot of an endpoint taken at `now`.
@@ -128,7 +151,9 @@ impl Router {
             kv_capacity_tokens,
             updated_ms: now_or_clock(now),
         };
-        py.detach(|| self.inner.update_metrics(endpoint, m)).map_err(|e| errors::state(py, &e))
+        py.detach(|| self.inner.update_metrics(endpoint, m)).map_err(|e| errors::state(py, &e))?;
+        self.flow.opportunity(py, now);
+        Ok(())
     }
 
     /// Read an endpoint's `/metrics` page (vLLM or SGLang Prometheus text, scraped at `now`),
@@ -142,9 +167,12 @@ impl Router {
         text: &str,
         now: Option<u64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let now = now_or_clock(now);
-        match py.detach(|| self.inner.update_metrics_from_prometheus(endpoint, text, now)) {
-            Ok(m) => convert::serde_to_py(py, &m),
+        let at = now_or_clock(now);
+        match py.detach(|| self.inner.update_metrics_from_prometheus(endpoint, text, at)) {
+            Ok(m) => {
+                self.flow.opportunity(py, now);
+                convert::serde_to_py(py, &m)
+            }
             Err(e) => Err(errors::metrics(py, &e)),
         }
     }
@@ -176,8 +204,15 @@ impl Router {
 
     /// The request finished: release its in-flight counters. Raises `StateError` (kind
     /// `"unknown_request"`) if it is not in flight.
+    ///
+    /// Under `await admit()`, this and every other change that may free capacity (metrics
+    /// updates, endpoint changes, `reload`, `tick`, `shutdown_queue`) is a dispatch
+    /// opportunity: the admissions it releases are woken before it returns (on their own event
+    /// loop when called from another thread).
     fn complete(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        py.detach(|| self.inner.complete(request_id)).map_err(|e| errors::state(py, &e))
+        py.detach(|| self.inner.complete(request_id)).map_err(|e| errors::state(py, &e))?;
+        self.flow.opportunity(py, None);
+        Ok(())
     }
 
     /// Decode one KV-event payload (msgpack, as vLLM or SGLang publishes it) from `endpoint`'s
@@ -315,11 +350,172 @@ impl Router {
         py.detach(|| self.inner.record_replay(endpoint, ok)).map_err(|e| errors::state(py, &e))
     }
 
+    // ----------------------------------------------------------------------------------------
+    // flow control (the call protocol is documented on `kvroute::Admission`)
+    // ----------------------------------------------------------------------------------------
+
+    /// Wait until flow control lets this request be routed (then call `route` as without flow
+    /// control): an awaitable of `Admitted`, which raises `RejectedError` (`status`, `reason`,
+    /// `headers`) when the request is refused or dropped, `RequestError` for a request that
+    /// cannot be parsed. Cancelling the awaiting task (a client that went away) removes its
+    /// request from the queue. With flow control off it admits at once. The router then takes
+    /// its releases itself: `enqueue`, `take_releases` and `cancel` raise `RuntimeError`.
+    #[pyo3(signature = (body, headers = None, *, now = None))]
+    fn admit<'py>(
+        slf: &Bound<'py, Self>,
+        body: &Bound<'py, PyAny>,
+        headers: Option<&Bound<'py, PyAny>>,
+        now: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let me = slf.get();
+        me.flow.claim(MODE_AWAIT)?;
+        let dispatcher = me.flow.dispatcher_or_init(slf.as_any())?;
+        dispatcher.call_method1("admit", (slf, body, headers, now))
+    }
+
+    /// Flow control's answer for a request about to be routed (the ticket API): `"admit"`
+    /// (route it now), `"queued"` (hold it until `take_releases` returns its ticket) or
+    /// `"rejected"` (answer with the rejection). Raises `RequestError`; `RuntimeError` on a
+    /// router driven by `await admit()`.
+    #[pyo3(signature = (body, headers = None, *, now = None))]
+    fn enqueue(
+        &self,
+        py: Python<'_>,
+        body: &Bound<'_, PyAny>,
+        headers: Option<&Bound<'_, PyAny>>,
+        now: Option<u64>,
+    ) -> PyResult<Admission> {
+        self.flow.claim(MODE_TICKETS)?;
+        self.admit_now(py, body, headers, now_or_clock(now))
+    }
+
+    /// `enqueue` for the dispatcher of `admit` (no mode check; `now` given).
+    fn _enqueue(
+        &self,
+        py: Python<'_>,
+        body: &Bound<'_, PyAny>,
+        headers: Option<&Bound<'_, PyAny>>,
+        now: u64,
+    ) -> PyResult<Admission> {
+        self.admit_now(py, body, headers, now)
+    }
+
+    /// A dispatch opportunity at `now`, then every release made since the last call, in order:
+    /// each ends one ticket (route its request, or answer with its rejection). Call it after
+    /// completions, metrics updates, endpoint changes and reloads, and when
+    /// `next_flow_deadline()` comes. `RuntimeError` on a router driven by `await admit()`.
+    #[pyo3(signature = (*, now = None))]
+    fn take_releases(&self, py: Python<'_>, now: Option<u64>) -> PyResult<Vec<Release>> {
+        self.flow.claim(MODE_TICKETS)?;
+        Ok(self.releases(py, now_or_clock(now)))
+    }
+
+    /// `take_releases` for the dispatcher of `admit`.
+    fn _take_releases(&self, py: Python<'_>, now: u64) -> Vec<Release> {
+        self.releases(py, now)
+    }
+
+    /// The client of a held request went away: remove its ticket. True when it was held
+    /// (queued, or released and not yet taken: it then never appears in a release); false for
+    /// a ticket already ended or never issued. `RuntimeError` on a router driven by
+    /// `await admit()` (cancel the awaiting task instead).
+    fn cancel(&self, py: Python<'_>, ticket: u64) -> PyResult<bool> {
+        self.flow.claim(MODE_TICKETS)?;
+        Ok(py.detach(|| self.inner.cancel(kvroute::Ticket(ticket))))
+    }
+
+    /// `cancel` for the dispatcher of `admit`.
+    fn _cancel(&self, py: Python<'_>, ticket: u64) -> bool {
+        py.detach(|| self.inner.cancel(kvroute::Ticket(ticket)))
+    }
+
+    /// A dispatch opportunity at `now` with no other event: expire requests past their TTL and
+    /// release what the pool has room for. With tickets, the releases wait for
+    /// `take_releases`; under `await admit()` they go to their waiters at once.
+    #[pyo3(signature = (*, now = None))]
+    fn tick(&self, py: Python<'_>, now: Option<u64>) {
+        if self.flow.awaitable() {
+            self.flow.opportunity(py, now);
+        } else {
+            let now = now_or_clock(now);
+            py.detach(|| self.inner.tick(now));
+        }
+    }
+
+    /// Drop every queued request with 503 `rejected-shutting-down` and refuse later admissions
+    /// the same way (for a router about to stop). Under `await admit()` the waiting admissions
+    /// raise `RejectedError` at once.
+    fn shutdown_queue(&self, py: Python<'_>) {
+        py.detach(|| self.inner.shutdown_queue());
+        self.flow.opportunity(py, None);
+    }
+
+    /// When flow control would next act on its own (a queue TTL, the no-endpoint TTL, a
+    /// release's load lapsing), milliseconds on the router's clock; `None` when nothing is
+    /// queued or flow control is off. May be early, never late.
+    fn next_flow_deadline(&self, py: Python<'_>) -> Option<u64> {
+        py.detach(|| self.inner.next_flow_deadline())
+    }
+
+    /// Flow control's queues and counters: a dict with `enabled`, `queued`, `queued_bytes`,
+    /// `releases_waiting`, `pending_dispatch`, `shutting_down`, `bands` (highest priority
+    /// first) and `counters`.
+    fn flow_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let s = py.detach(|| self.inner.flow_stats());
+        convert::serde_to_py(py, &s)
+    }
+
+    /// The pool's saturation at `now` as flow control measures it: a dict with `pool`,
+    /// `decode`, `prefill` (`None` without a prefill pool) and `decode_endpoints`.
+    #[pyo3(signature = (*, now = None))]
+    fn flow_saturation<'py>(&self, py: Python<'py>, now: Option<u64>) -> PyResult<Bound<'py, PyAny>> {
+        let now = now_or_clock(now);
+        let s = py.detach(|| self.inner.flow_saturation(now));
+        convert::serde_to_py(py, &s)
+    }
+
+    /// The dispatcher of `await admit()` (`kvroute._flow.Dispatcher`), `None` before the
+    /// first `admit` (for tests and diagnostics).
+    #[getter]
+    fn _flow_dispatcher(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.flow.dispatcher(py).map(|d| d.clone_ref(py))
+    }
+
     fn __repr__(&self, py: Python<'_>) -> String {
         let s = py.detach(|| self.inner.stats());
         format!(
             "Router(policy_version={}, endpoints={}, inflight_requests={})",
             s.policy_version, s.endpoints, s.inflight_requests
         )
+    }
+}
+
+impl Router {
+    /// `admit_http` of one request at `now` (parsed while holding the GIL's references, decided
+    /// with the GIL released).
+    fn admit_now(
+        &self,
+        py: Python<'_>,
+        body: &Bound<'_, PyAny>,
+        headers: Option<&Bound<'_, PyAny>>,
+        now: u64,
+    ) -> PyResult<Admission> {
+        let body = convert::body(body)?;
+        let body = body.as_slice()?;
+        let held = convert::headers(headers)?;
+        let mut pairs = Vec::with_capacity(held.len());
+        for (k, v) in &held {
+            pairs.push((k.as_str()?, v.as_str()?));
+        }
+        match py.detach(|| self.inner.admit_http(body, pairs.iter().copied(), now)) {
+            Ok(a) => Ok(Admission::new(&a)),
+            Err(e) => Err(errors::request(py, &e)),
+        }
+    }
+
+    /// A dispatch opportunity at `now` and the releases since the last one.
+    fn releases(&self, py: Python<'_>, now: u64) -> Vec<Release> {
+        let taken = py.detach(|| self.inner.take_releases(now));
+        taken.iter().map(Release::new).collect()
     }
 }

@@ -17,6 +17,13 @@ defines the exception hierarchy. Every call releases the GIL while the core work
 ('10.0.0.1:8000', 'colocated')
 >>> router.complete(d.request_id)
 
+With flow control on (``flow_control`` in the policy), admit each request before routing it:
+``await router.admit(body, headers)`` returns once the request may be routed (an
+:class:`Admitted`) or raises :class:`RejectedError` (answer ``e.status`` with ``e.headers``);
+cancelling the awaiting task takes the request out of the queue. ``Router.enqueue``,
+``take_releases`` and ``cancel`` are the same protocol with tickets, for callers that hold the
+waiting requests themselves.
+
 Every ``now`` argument is milliseconds on the router's clock; it defaults to :func:`now_ms`
 (UNIX milliseconds), the clock :meth:`Router.subscribe` feeds events with.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 from kvroute._errors import (
     ConfigError,
+    RejectedError,
     EventError,
     KvrouteError,
     MetricsError,
@@ -35,12 +43,17 @@ from kvroute._errors import (
     SubscribeError,
     TokenizerError,
 )
+from kvroute._flow import Admitted
 from kvroute._native import (
+    HEADER_DROPPED_REASON,
+    Admission,
     ApplyOutcome,
     Decision,
     EndpointScore,
     Judgment,
     Policy,
+    Rejection,
+    Release,
     Router,
     Shed,
     SimulationResult,
@@ -52,6 +65,9 @@ from kvroute._native import (
 )
 
 __all__ = [
+    "HEADER_DROPPED_REASON",
+    "Admission",
+    "Admitted",
     "ApplyOutcome",
     "ConfigError",
     "Decision",
@@ -62,6 +78,9 @@ __all__ = [
     "MetricsError",
     "NoEndpointsError",
     "Policy",
+    "RejectedError",
+    "Rejection",
+    "Release",
     "RequestError",
     "Router",
     "Shed",

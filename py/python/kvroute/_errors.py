@@ -23,7 +23,22 @@ __all__ = [
     "TokenizerError",
     "MetricsError",
     "SimulationError",
+    "RejectedError",
 ]
+
+#: The response header that carries why flow control refused or dropped a request (llm-d's;
+#: ``kvroute.HEADER_DROPPED_REASON``, from the core).
+HEADER_DROPPED_REASON = "x-llm-d-request-dropped-reason"
+
+#: What each reason means (the value of ``x-llm-d-request-dropped-reason``).
+_REASONS = {
+    "rejected-saturated": "the queue is full, or the sheddable request was shed",
+    "rejected-ttl-expired": "the request waited its whole queue TTL",
+    "rejected-no-endpoints": "the pool has no healthy endpoint that can serve it",
+    "rejected-shutting-down": "the router is shutting down",
+    "evicted-priority": "a higher-priority request took its place in the queue",
+    "evicted-queue-pressure": "a reload lowered the queue limits below what was queued",
+}
 
 
 class KvrouteError(Exception):
@@ -150,6 +165,37 @@ class SimulationError(KvrouteError, ValueError):
     reason: str | None = None
 
 
+class RejectedError(KvrouteError):
+    """Flow control refused the request or dropped it from its queue (``await Router.admit()``).
+
+    Answer the client with ``status`` (429, or 503 when the pool is empty or the router is
+    shutting down) and ``headers`` (``x-llm-d-request-dropped-reason: reason``). ``reason`` is
+    llm-d's (``"rejected-saturated"``, ``"rejected-ttl-expired"``, ``"rejected-no-endpoints"``,
+    ``"rejected-shutting-down"``, ``"evicted-priority"``, ``"evicted-queue-pressure"``) and
+    ``kind`` the same in snake case; ``waited_ms`` is how long it was queued (0 when refused at
+    admission) and ``ticket`` its queue ticket (``None`` when refused at admission).
+    """
+
+    status: int = 429
+    reason: str = ""
+    waited_ms: int = 0
+    ticket: int | None = None
+
+    @classmethod
+    def of(cls, status: int, reason: str, *, waited_ms: int = 0, ticket: int | None = None) -> RejectedError:
+        """The error for a rejection with ``status`` and ``reason``."""
+        what = _REASONS.get(reason, "flow control dropped it")
+        message = f"{reason} ({status}): {what}"
+        return cls(
+            message, kind=reason.replace("-", "_"), status=status, reason=reason, waited_ms=waited_ms, ticket=ticket
+        )
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers to answer with: ``{"x-llm-d-request-dropped-reason": reason}``."""
+        return {HEADER_DROPPED_REASON: self.reason}
+
+
 # Shown (and pickled) as `kvroute.ConfigError` etc.: this module is an implementation detail.
 for _cls in (
     KvrouteError,
@@ -162,6 +208,7 @@ for _cls in (
     TokenizerError,
     MetricsError,
     SimulationError,
+    RejectedError,
 ):
     _cls.__module__ = "kvroute"
 del _cls

@@ -2,16 +2,23 @@
 module by ``python -m mypy.stubtest kvroute._native``)."""
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeAlias, final
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Final, Literal, TypeAlias, final
+
+from kvroute._flow import Admitted, Dispatcher
 
 __version__: str
+HEADER_DROPPED_REASON: Final[str]
 __all__ = [
+    "HEADER_DROPPED_REASON",
+    "Admission",
     "ApplyOutcome",
     "Decision",
     "EndpointScore",
     "Judgment",
     "Policy",
+    "Rejection",
+    "Release",
     "Router",
     "Shed",
     "SimulationResult",
@@ -30,6 +37,15 @@ _BodyLike: TypeAlias = "bytes | bytearray | memoryview | str | dict[str, Any]"
 #: Request headers: a mapping or (name, value) pairs; str or UTF-8 bytes (as in an ASGI scope).
 _HeadersLike: TypeAlias = "Mapping[str, str] | Mapping[bytes, bytes] | Iterable[tuple[str | bytes, str | bytes]]"
 _Role: TypeAlias = Literal["prefill", "decode", "both"]
+#: Why flow control refused or dropped a request (``x-llm-d-request-dropped-reason``).
+_DropReason: TypeAlias = Literal[
+    "rejected-saturated",
+    "rejected-ttl-expired",
+    "rejected-no-endpoints",
+    "rejected-shutting-down",
+    "evicted-priority",
+    "evicted-queue-pressure",
+]
 
 def now_ms() -> int:
     """Milliseconds since the UNIX epoch: the default of every ``now`` argument."""
@@ -185,6 +201,49 @@ class ApplyOutcome:
     def blocks(self) -> int: ...
 
 @final
+class Rejection:
+    """Why flow control refused or dropped a request: answer ``status`` with ``headers``."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> _DropReason: ...
+    @property
+    def code(self) -> int: ...
+    @property
+    def header(self) -> tuple[str, str]: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class Admission:
+    """Flow control's answer to ``Router.enqueue``."""
+
+    @property
+    def outcome(self) -> Literal["admit", "queued", "rejected"]: ...
+    @property
+    def ticket(self) -> int | None: ...
+    @property
+    def rejection(self) -> Rejection | None: ...
+    def __eq__(self, value: object, /) -> bool: ...
+
+@final
+class Release:
+    """One ticket's end, from ``Router.take_releases``."""
+
+    @property
+    def ticket(self) -> int: ...
+    @property
+    def outcome(self) -> Literal["dispatched", "dropped"]: ...
+    @property
+    def rejection(self) -> Rejection | None: ...
+    @property
+    def waited_ms(self) -> int: ...
+    def __eq__(self, value: object, /) -> bool: ...
+
+@final
 class Subscription:
     """A running KV-event subscription (a native thread)."""
 
@@ -203,7 +262,7 @@ class Subscription:
 class Router:
     """A KV-cache-aware router; thread-safe, share one."""
 
-    def __new__(cls, config: _ConfigLike | None = None) -> Router: ...
+    def __new__(cls, config: _ConfigLike | None = None, *, flow_clock: Callable[[], int] | None = None) -> Router: ...
     def reload(self, config: _ConfigLike) -> int: ...
     @property
     def policy(self) -> Policy: ...
@@ -249,6 +308,25 @@ class Router:
     def fail_open_endpoint(self) -> str | None: ...
     def metrics_text(self, *, now: int | None = None) -> str: ...
     def record_replay(self, endpoint: str, ok: bool) -> None: ...
+    # flow control: the awaitable admission ...
+    def admit(
+        self, body: _BodyLike, headers: _HeadersLike | None = None, *, now: int | None = None
+    ) -> Coroutine[Any, Any, Admitted]: ...
+    # ... or the ticket API (one or the other on a router)
+    def enqueue(self, body: _BodyLike, headers: _HeadersLike | None = None, *, now: int | None = None) -> Admission: ...
+    def take_releases(self, *, now: int | None = None) -> list[Release]: ...
+    def cancel(self, ticket: int) -> bool: ...
+    def tick(self, *, now: int | None = None) -> None: ...
+    def shutdown_queue(self) -> None: ...
+    def next_flow_deadline(self) -> int | None: ...
+    def flow_stats(self) -> dict[str, Any]: ...
+    def flow_saturation(self, *, now: int | None = None) -> dict[str, Any]: ...
+    # for the dispatcher of admit() (kvroute._flow)
+    def _enqueue(self, body: _BodyLike, headers: _HeadersLike | None, now: int) -> Admission: ...
+    def _take_releases(self, now: int) -> list[Release]: ...
+    def _cancel(self, ticket: int) -> bool: ...
+    @property
+    def _flow_dispatcher(self) -> Dispatcher | None: ...
 
 @final
 class SimulationResult:
