@@ -8,10 +8,19 @@
 
 For each ``POST /v1/completions`` and ``POST /v1/chat/completions`` the gateway:
 
-1. reads the body and calls :meth:`kvroute.Router.route` with the body bytes and the request
-   headers (priority, session, request id and judgment-hint headers are read by kvroute);
-2. answers **429** (or the shed decision's status) with kvroute's reason when the request is
-   shed, **400** with kvroute's message when the request cannot be understood, **503** when no
+1. reads the body and awaits :meth:`kvroute.Router.admit` with the body bytes and the request
+   headers: with flow control on (the policy's ``flow_control``), the request waits there,
+   in its tenant's queue (``x-llm-d-inference-fairness-id``) and priority band
+   (``x-llm-d-inference-objective``, ``x-kvroute-priority``), until the pool has room; a
+   refusal or a drop from the queue is answered with its status (**429**, or **503** when the
+   pool is empty or the gateway is stopping) and the ``x-llm-d-request-dropped-reason``
+   header. A client that disconnects while it waits cancels the handler (the server runs with
+   ``handler_cancellation=True``), and so leaves the queue. With flow control off, ``admit``
+   lets every request through at once;
+2. calls :meth:`kvroute.Router.route` with the same body and headers (priority, session,
+   request id and judgment-hint headers are read by kvroute), and answers **429** (or the shed
+   decision's status) with kvroute's reason when the request is shed (flow control off),
+   **400** with kvroute's message when the request cannot be understood, **503** when no
    healthy endpoint can serve it;
 3. forwards the request to ``decision.endpoint`` over HTTP, adding the decision's headers
    (``x-gateway-destination-endpoint``, ``x-kvroute-mode`` and, for a disaggregated decision,
@@ -19,7 +28,10 @@ For each ``POST /v1/completions`` and ``POST /v1/chat/completions`` the gateway:
 4. streams the upstream answer back as it comes (Server-Sent Events for ``"stream": true``
    requests, the JSON body otherwise) with the upstream's status code;
 5. calls :meth:`kvroute.Router.complete` when the answer has ended, the client went away or the
-   upstream failed (``try``/``finally``), so the router's in-flight counters stay exact.
+   upstream failed (``try``/``finally``), so the router's in-flight counters stay exact; each
+   completion (and each metrics read) is a dispatch opportunity that releases the next queued
+   requests. When the gateway stops, :meth:`kvroute.Router.shutdown_queue` answers every
+   request still queued with 503.
 
 An upstream that refuses connections is marked unhealthy (502 for that request) until its
 ``/metrics`` answers again. Metrics are read with
@@ -137,10 +149,12 @@ class GatewayConfig:
     scheme: str = "http"
 
 
-def _json_error(status: int, message: str, kind: str, **extra: str) -> web.Response:
-    """An OpenAI-style error body."""
+def _json_error(
+    status: int, message: str, kind: str, *, headers: Mapping[str, str] | None = None, **extra: str
+) -> web.Response:
+    """An OpenAI-style error body (with response ``headers``, e.g. the dropped-reason header)."""
     body = {"error": {"message": message, "type": kind, "code": status, **extra}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _copy_headers(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()) -> dict[str, str]:
@@ -188,6 +202,7 @@ class Gateway:
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/healthz", self.handle_health)
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
@@ -206,6 +221,10 @@ class Gateway:
                 log.error("KV events of %s (%s): %s", up.endpoint, up.kv_events, e)
         await self.poll_metrics()
         self._poller = asyncio.create_task(self._poll_forever(), name="kvroute-metrics-poller")
+
+    async def _on_shutdown(self, _app: web.Application) -> None:
+        # Requests still queued by flow control are answered 503 rejected-shutting-down.
+        self.router.shutdown_queue()
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         if self._poller is not None:
@@ -284,8 +303,17 @@ class Gateway:
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         """Route one OpenAI request with kvroute and proxy it to the chosen endpoint."""
         body = await request.read()
+        headers = list(request.headers.items())
         try:
-            decision = self.router.route(body, list(request.headers.items()))
+            # Flow control holds the request here while the pool is saturated. The client going
+            # away cancels this handler, and the cancellation takes the request out of the queue.
+            await self.router.admit(body, headers)
+        except kvroute.RejectedError as e:  # refused, or dropped from the queue
+            return _json_error(e.status, str(e), "request_dropped", headers=e.headers, reason=e.reason)
+        except kvroute.RequestError as e:
+            return _json_error(400, str(e), "invalid_request_error")
+        try:
+            decision = self.router.route(body, headers)
         except kvroute.NoEndpointsError as e:
             return _json_error(503, str(e), "no_endpoints")
         except kvroute.RequestError as e:

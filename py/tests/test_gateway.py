@@ -531,3 +531,110 @@ def test_command_line_and_environment() -> None:
     with pytest.raises(SystemExit):
         gateway.parse_args(["--endpoint", "10.0.0.1:8000", "--kv-events", "10.0.0.9:8000=tcp://x:1"], env={})
 
+
+
+# --------------------------------------------------------------------------------------------
+# flow control
+# --------------------------------------------------------------------------------------------
+
+#: Flow control on; one request in flight per endpoint (the concurrency detector, no metrics
+#: involved), at most one queued.
+FLOW_POLICY: dict[str, Any] = {
+    "flow_control": {
+        "enabled": True,
+        "max_requests": 1,
+        "saturation_detector": {"kind": "concurrency", "max_requests_per_endpoint": 1},
+    }
+}
+
+
+def test_flow_control_queues_then_answers_429_with_the_dropped_reason() -> None:
+    """A busy pool: the next request waits in the gateway (not forwarded), the one after finds
+    the queue full and gets 429 with x-llm-d-request-dropped-reason; when the first answer
+    ends, the completion releases the waiting request, which is then served."""
+
+    async def scenario() -> None:
+        async with harness(n=1, policy=FLOW_POLICY) as h:
+            (up,) = h.upstreams
+            up.gate.clear()
+            stream = {"model": "llama", "prompt": "first", "max_tokens": 8, "stream": True}
+            first = await h.client.post("/v1/completions", json=stream)
+            assert await asyncio.wait_for(first.content.readuntil(b"\n\n"), WAIT_S) == up.chunks()[0]
+            waiting = asyncio.create_task(
+                h.client.post("/v1/completions", json={"model": "llama", "prompt": "second", "max_tokens": 8})
+            )
+            await eventually("the second request to queue", lambda: h.router.flow_stats()["queued"] == 1)
+            assert len(up.received) == 1 and not waiting.done()
+
+            r = await h.client.post("/v1/completions", json={"model": "llama", "prompt": "third", "max_tokens": 8})
+            assert r.status == 429
+            assert r.headers[kvroute.HEADER_DROPPED_REASON] == "rejected-saturated"
+            error = (await r.json())["error"]
+            assert error["type"] == "request_dropped" and error["reason"] == "rejected-saturated"
+            assert len(up.received) == 1
+
+            up.gate.set()  # the first answer ends: its completion releases the second
+            assert first.status == 200 and (await first.content.read()).endswith(b"[DONE]\n\n")
+            second = await asyncio.wait_for(waiting, WAIT_S)
+            assert second.status == 200 and (await second.json())["served_by"] == "u0"
+            assert [rec.body["prompt"] for rec in up.received] == ["first", "second"]
+            await eventually("the requests to complete", lambda: h.inflight() == (0, [0]))
+            c = h.router.flow_stats()["counters"]
+            assert (c["admitted"], c["enqueued"], c["dispatched"], c["rejections"]["rejected_saturated"]) == (1, 1, 1, 1)
+
+    run(scenario)
+
+
+def test_client_disconnect_while_queued_leaves_the_queue() -> None:
+    """A client that goes away while its request waits in the queue: the handler is cancelled,
+    its ticket removed; it is never forwarded, and the queue is free for the next request."""
+
+    async def scenario() -> None:
+        async with harness(n=1, policy=FLOW_POLICY) as h:
+            (up,) = h.upstreams
+            up.gate.clear()
+            stream = {"model": "llama", "prompt": "first", "max_tokens": 8, "stream": True}
+            first = await h.client.post("/v1/completions", json=stream)
+            assert await asyncio.wait_for(first.content.readuntil(b"\n\n"), WAIT_S) == up.chunks()[0]
+            gone = asyncio.create_task(
+                h.client.post("/v1/completions", json={"model": "llama", "prompt": "gone", "max_tokens": 8})
+            )
+            await eventually("the request to queue", lambda: h.router.flow_stats()["queued"] == 1)
+            gone.cancel()  # the client drops its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+            await eventually("the ticket to be cancelled", lambda: h.router.flow_stats()["counters"]["cancelled"] == 1)
+            assert h.router.flow_stats()["queued"] == 0
+            up.gate.set()
+            assert (await first.content.read()).endswith(b"[DONE]\n\n")
+            await eventually("the first request to complete", lambda: h.inflight() == (0, [0]))
+            r = await h.client.post("/v1/completions", json={"model": "llama", "prompt": "next", "max_tokens": 8})
+            assert r.status == 200
+            assert [rec.body["prompt"] for rec in up.received] == ["first", "next"]
+            assert h.router.flow_stats()["counters"]["dispatched"] == 0
+
+    run(scenario)
+
+
+def test_requests_queued_at_shutdown_get_503() -> None:
+    """Stopping the gateway answers the requests still queued with 503 rejected-shutting-down."""
+
+    async def scenario() -> None:
+        async with harness(n=1, policy=FLOW_POLICY) as h:
+            (up,) = h.upstreams
+            up.gate.clear()
+            stream = {"model": "llama", "prompt": "first", "max_tokens": 8, "stream": True}
+            first = await h.client.post("/v1/completions", json=stream)
+            assert await asyncio.wait_for(first.content.readuntil(b"\n\n"), WAIT_S) == up.chunks()[0]
+            waiting = asyncio.create_task(
+                h.client.post("/v1/completions", json={"model": "llama", "prompt": "second", "max_tokens": 8})
+            )
+            await eventually("the request to queue", lambda: h.router.flow_stats()["queued"] == 1)
+            await h.gw._on_shutdown(h.client.app)
+            r = await asyncio.wait_for(waiting, WAIT_S)
+            assert r.status == 503
+            assert r.headers[kvroute.HEADER_DROPPED_REASON] == "rejected-shutting-down"
+            up.gate.set()
+            await first.content.read()
+
+    run(scenario)
