@@ -12,6 +12,7 @@ import asyncio
 import gc
 import queue
 import random
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -502,6 +503,42 @@ def test_a_closed_coroutine_leaves_the_queue() -> None:
     run(scenario)
 
 
+def test_a_failing_clock_leaks_no_ticket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `flow_clock` that raises: the admission that needed it raises that error and leaves
+    the queue; a completion, whose opportunity needed it, still completes (the error is
+    reported as unraisable, not raised from `complete`)."""
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    def broken() -> int:
+        raise ZeroDivisionError("clock")
+
+    async def scenario() -> None:
+        r = make_router(clock=broken)
+        await r.admit(BODY, now=0)
+        d = r.route(BODY, now=0)
+        with pytest.raises(ZeroDivisionError):
+            await r.admit(BODY, now=1)  # queued, then the timer needs the clock
+        assert r.flow_stats()["queued"] == 0 and r.flow_stats()["counters"]["cancelled"] == 1
+        assert_nothing_held(r)
+        # Without a TTL (no deadline, no timer), the admission queues without the clock.
+        r.reload(flow_policy(default_request_ttl_ms=0))
+        held = asyncio.create_task(r.admit(BODY, now=2))
+        await settle()
+        assert r.flow_stats()["queued"] == 1
+        r.complete(d.request_id)
+        assert r.stats()["inflight_requests"] == 0
+        assert [type(u.exc_value) for u in unraisable] == [ZeroDivisionError]
+        # That opportunity did not happen: the admission still waits, for the next one.
+        await settle()
+        assert not held.done()
+        r.tick(now=3)
+        assert (await held).waited_ms == 1
+        assert_nothing_held(r)
+
+    run(scenario)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_no_ticket_lost_under_random_interleavings(seed: int) -> None:
     """Random admissions (tenants, priorities, sheddable ones), cancellations at random points
@@ -704,6 +741,41 @@ def test_the_timer_stops_with_the_last_waiter() -> None:
         await settle()
         assert all(isinstance(t.exception(), kvroute.RejectedError) for t in more)
         assert_nothing_held(r)
+
+    run(scenario)
+
+
+def test_an_overdue_deadline_backs_the_timer_off() -> None:
+    """Should flow control keep answering a deadline that is already due (its answer may be
+    early), the timer backs off (1, 2, 4 … ms) instead of spinning. A stand-in router that
+    queues everything, never releases and always reports deadline 0."""
+
+    class Stuck:
+        def __init__(self) -> None:
+            self.cancelled: list[int] = []
+
+        def _enqueue(self, body: Any, headers: Any, now: int) -> Any:
+            return type("A", (), {"ticket": 1, "rejection": None, "outcome": "queued"})()
+
+        def _take_releases(self, now: int) -> list[kvroute.Release]:
+            return []
+
+        def _cancel(self, ticket: int) -> bool:
+            self.cancelled.append(ticket)
+            return True
+
+        def next_flow_deadline(self) -> int:
+            return 0
+
+    async def scenario() -> None:
+        router = Stuck()
+        d = Dispatcher(router, clock=lambda: 10)  # type: ignore[arg-type]
+        waiting = asyncio.create_task(d.admit(router, BODY, None, 10))  # type: ignore[arg-type]
+        await asyncio.sleep(0.3)
+        assert 3 <= d.timer_fired <= 12, d.timer_fired  # spinning: ~300
+        waiting.cancel()
+        await settle()
+        assert router.cancelled == [1] and d.timers() == 0 and d.waiting == 0
 
     run(scenario)
 

@@ -180,15 +180,17 @@ class Dispatcher:
                 self._register(ticket, future, loop)
             # The admission may have evicted a queued request: hand it its release now.
             ended = self._take(router, at) if self._waiters else []
-        self._settle(ended)
-        self._rearm()
         if ticket is None:
+            self._settle(ended)
+            self._rearm()
             if admission.rejection is not None:
                 raise _rejected(admission.rejection, 0, None)
             return Admitted(None, 0)
         try:
+            self._settle(ended)
+            self._rearm()
             release = await future
-        except BaseException:  # cancelled (the client went away), or the coroutine was closed
+        except BaseException:  # cancelled (the client went away), the coroutine closed, a bug
             self._abandon(router, ticket)
             raise
         if release.rejection is not None:
