@@ -207,8 +207,8 @@ impl Router {
     ///
     /// Under `await admit()`, this and every other change that may free capacity (metrics
     /// updates, endpoint changes, `reload`, `tick`, `shutdown_queue`) is a dispatch
-    /// opportunity: the admissions it releases are woken before it returns (on their own event
-    /// loop when called from another thread).
+    /// opportunity: the futures of the admissions it releases are resolved before it returns
+    /// (scheduled on their own event loop when called from another thread).
     fn complete(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
         py.detach(|| self.inner.complete(request_id)).map_err(|e| errors::state(py, &e))?;
         self.flow.opportunity(py, None);
