@@ -250,7 +250,7 @@ def test_queued_then_released_by_a_completion() -> None:
     run(scenario)
 
 
-def test_released_by_metrics_endpoint_changes_tick_and_reload() -> None:
+def test_released_by_metrics_updates_and_a_reload() -> None:
     """Metrics updates are dispatch opportunities that release waiting admissions at once
     (the utilization detector), and so is a reload (turning flow control off releases the
     rest)."""
