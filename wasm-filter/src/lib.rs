@@ -36,5 +36,5 @@ mod host_map;
 /// Run once by the module's `_initialize` (in [`host`]): registers the root context factory.
 #[cfg(target_arch = "wasm32")]
 fn init() {
-    host::set_root_context(|_| -> Box<dyn host::RootContext> { Box::new(filter::Root::new()) });
+    host::set_root_context(|id| -> Box<dyn host::RootContext> { Box::new(filter::Root::new(id)) });
 }
