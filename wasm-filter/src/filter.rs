@@ -184,7 +184,8 @@ struct Shared {
     roots: Cell<u32>,
     /// The queue was shut down: a later configuration starts a new router.
     shut_down: Cell<bool>,
-    /// The tick period the host last accepted (ms; 0: none yet, retried on each request).
+    /// The tick period the host last accepted (ms; 0: refused, asked again while requests are
+    /// held).
     tick_ms: Cell<u64>,
 }
 
@@ -1019,6 +1020,19 @@ fn wanted_tick_ms(a: &Active, now: u64) -> u64 {
     }
 }
 
+/// While requests are held: ticks no later than the nearest queue deadline, and ticks at all
+/// when the host refused the period before (asked again here, so held requests never wait on a
+/// tick that is not armed). No host call otherwise.
+fn ensure_tick(shared: &Shared, a: &Active, now: u64) {
+    if a.flow.held.is_empty() {
+        return;
+    }
+    let wanted = wanted_tick_ms(a, now);
+    if shared.tick_ms.get() == 0 || wanted < shared.tick_ms.get() {
+        set_tick(shared, wanted);
+    }
+}
+
 /// Ask the host for ticks every `ms` (a refusal keeps the previous period; counted).
 fn set_tick(shared: &Shared, ms: u64) {
     match hostcalls::set_tick_period(Duration::from_millis(ms)) {
@@ -1088,10 +1102,6 @@ impl Http {
                 self.ticket = Some(t);
                 self.phase = Phase::Held;
                 shared.bump(Counter::FlowQueued);
-                let wanted = wanted_tick_ms(a, now);
-                if shared.tick_ms.get() == 0 || wanted < shared.tick_ms.get() {
-                    set_tick(&shared, wanted);
-                }
                 Action::Pause
             }
             Admission::Rejected(r) => {
@@ -1124,6 +1134,7 @@ impl Http {
             self.request_id = a.flow.routed.remove(&self.context_id);
             return Action::Continue;
         }
+        ensure_tick(&shared, a, now);
         if self.ticket.is_some_and(|t| !a.flow.held.contains_key(&t)) {
             // Released and answered at once.
             self.ticket = None;
@@ -1379,6 +1390,7 @@ impl Http {
         if let Some(id) = a.flow.routed.remove(&self.context_id) {
             self.request_id = Some(id);
         }
+        ensure_tick(&shared, a, now_ms());
         let Some(id) = self.request_id.take() else { return };
         // Unknown: expired after the in-flight timeout, or the router was rebuilt.
         if a.router.complete(&id).is_ok() {
