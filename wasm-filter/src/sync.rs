@@ -2,8 +2,9 @@
 //!
 //! Envoy runs one VM per worker thread; each has its own [`kvroute::RouterCore`]. Every state change
 //! one VM makes (a routing decision's effects, a completion, a metrics snapshot, an event batch, a
-//! stream resync) is appended to the log, and every VM applies the entries it has not seen
-//! before each routing decision and on each tick. `wasm-filter/README.md` explains the choice;
+//! stream resync, a request flow control queued or that left its queue) is appended to the log,
+//! and every VM applies the entries it has not seen before each routing decision and on each
+//! tick. `wasm-filter/README.md` explains the choice;
 //! this module is the protocol, written against [`SharedStore`] so it is tested natively.
 //!
 //! # Keys (all under the configured namespace `ns` and ring size `N`)
