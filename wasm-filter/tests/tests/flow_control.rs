@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use kvroute_filter::sync::{Entry, SharedLog, SharedStore, StoreError};
 use kvroute_wasm_tests::*;
 use serde_json::{json, Value};
 
@@ -305,5 +306,54 @@ fn with_flow_control_off_no_request_costs_a_flow_host_call() {
     }
     host.advance(Duration::from_millis(500)).unwrap();
     assert_eq!(calls(&host), before);
+    clean(&host, &vms);
+}
+
+/// The host's shared data, written from the test as another VM would (no CAS needed: nothing
+/// else writes while the test does).
+struct TestStore<'a>(&'a mut Host);
+
+impl SharedStore for TestStore<'_> {
+    fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+        Ok(self.0.shared_data(VM_ID, key).map_or((None, None), |(v, cas)| (Some(v), Some(cas))))
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], _cas: Option<u32>) -> Result<(), StoreError> {
+        self.0.set_shared_data(VM_ID, key, value.to_vec());
+        Ok(())
+    }
+}
+
+#[test]
+fn a_replica_whose_owner_is_gone_holds_a_slot_for_at_most_a_second() {
+    let (mut host, vms, _) = start(1, &policy(json!({})), &json!({"sync": {"tick_ms": 100}}));
+    let vm = vms[0];
+    let (first, _) = route(&mut host, vm, BODY, &[]).unwrap();
+    // A VM that queued a request and then vanished: its `FlowLeft` never comes.
+    let ghost = kvroute::FlowReplica {
+        fairness_id: "default".into(),
+        priority: 0,
+        enqueue_ms: now_ms(&host),
+        bytes: 10,
+        tokens: 17,
+        cost: 33.0,
+        slo_ttft_ms: None,
+        ttl_ms: None,
+    };
+    let mut gone = SharedLog::new("kvroute", 8192, 999_999);
+    gone.append(&mut TestStore(&mut host), &Entry::flow_queued(7, &ghost)).unwrap();
+    host.advance(Duration::from_millis(1)).unwrap();
+    let (mine, _) = route(&mut host, vm, BODY, &[]).unwrap();
+    assert!(is_held(&host, mine));
+    assert_eq!(n(&page(&mut host, vm), "kvroute_wasm_flow_replicas"), 1.0, "queued behind the ghost");
+    // The slot frees: the ghost is at the head, its owner never takes it.
+    host.finish_stream(first).unwrap();
+    host.advance(Duration::from_millis(900)).unwrap();
+    assert!(is_held(&host, mine), "the slot is held for the other VM's request");
+    host.advance(Duration::from_millis(200)).unwrap();
+    assert_eq!(outcome(host.stream(mine).unwrap()).destination(), Some(A), "after a second, it is this VM's");
+    host.finish_stream(mine).unwrap();
+    host.advance(Duration::from_millis(6000)).unwrap();
+    assert_eq!(n(&page(&mut host, vm), "kvroute_wasm_flow_replicas"), 0.0, "forgotten");
     clean(&host, &vms);
 }
