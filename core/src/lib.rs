@@ -154,8 +154,8 @@ pub use config::{
 // Flow control.
 pub use flow::{
     Admission, AttainedServiceConfig, BandDefaults, BandStats, DropReason, FairnessFallback, FairnessPolicy,
-    FlowControlConfig, FlowCounters, FlowStats, OrderingPolicy, PriorityBandConfig, Rejection, RejectionCounts,
-    Release, ReleaseOutcome, SaturationDetectorConfig, SaturationReport, SheddingConfig, Ticket,
+    FlowControlConfig, FlowCounters, FlowReplica, FlowStats, OrderingPolicy, PriorityBandConfig, Rejection,
+    RejectionCounts, Release, ReleaseOutcome, SaturationDetectorConfig, SaturationReport, SheddingConfig, Ticket,
     DEFAULT_BAND_MAX_BYTES, DEFAULT_FLOW_MAX_BYTES, DEFAULT_FLOW_MAX_REQUESTS, DEFAULT_KV_CACHE_UTIL_THRESHOLD,
     DEFAULT_METRICS_FAIRNESS_IDS, DEFAULT_NO_ENDPOINTS_TTL_MS, DEFAULT_OUTPUT_TOKEN_WEIGHT,
     DEFAULT_QUEUE_DEPTH_THRESHOLD, DEFAULT_REQUEST_TTL_MS, DEFAULT_SATURATION_CEILING, DEFAULT_SERVICE_HALF_LIFE_MS,

@@ -51,11 +51,24 @@ pub enum Counter {
     ConfigErrors,
     /// Accepted configurations.
     Configurations,
+    /// Requests flow control queued (held paused by the filter).
+    FlowQueued,
+    /// Held requests released to be routed and resumed.
+    FlowResumed,
+    /// Requests flow control refused at admission (answered with the reason header).
+    FlowRejected,
+    /// Held requests flow control dropped (answered with the reason header).
+    FlowDropped,
+    /// Held requests whose client went away (the ticket was cancelled).
+    FlowCancelled,
+    /// Held requests released without waiting for their turn because this VM lost shared-log
+    /// entries (fail-open of the queue).
+    FlowFailOpen,
 }
 
 impl Counter {
     /// Every counter, in exposition order.
-    pub const ALL: [Counter; 22] = [
+    pub const ALL: [Counter; 28] = [
         Counter::Requests,
         Counter::Routed,
         Counter::Shed,
@@ -78,6 +91,12 @@ impl Counter {
         Counter::SyncDivergences,
         Counter::ConfigErrors,
         Counter::Configurations,
+        Counter::FlowQueued,
+        Counter::FlowResumed,
+        Counter::FlowRejected,
+        Counter::FlowDropped,
+        Counter::FlowCancelled,
+        Counter::FlowFailOpen,
     ];
 
     /// Metric name (`kvroute_wasm_…_total`).
@@ -105,6 +124,12 @@ impl Counter {
             Counter::SyncDivergences => "kvroute_wasm_sync_divergences_total",
             Counter::ConfigErrors => "kvroute_wasm_config_errors_total",
             Counter::Configurations => "kvroute_wasm_configurations_total",
+            Counter::FlowQueued => "kvroute_wasm_flow_queued_total",
+            Counter::FlowResumed => "kvroute_wasm_flow_resumed_total",
+            Counter::FlowRejected => "kvroute_wasm_flow_rejected_total",
+            Counter::FlowDropped => "kvroute_wasm_flow_dropped_total",
+            Counter::FlowCancelled => "kvroute_wasm_flow_cancelled_total",
+            Counter::FlowFailOpen => "kvroute_wasm_flow_fail_open_total",
         }
     }
 }
@@ -127,8 +152,10 @@ impl Counters {
         self.values[c as usize]
     }
 
-    /// Prometheus text of these counters and the shared-log figures.
-    pub fn exposition(&self, sync: &SyncStats, instance: u64) -> String {
+    /// Prometheus text of these counters, the shared-log figures and the flow-control gauges
+    /// (`held`: this VM's requests held; `replicas`: the other VMs' queued requests it holds
+    /// replicas of).
+    pub fn exposition(&self, sync: &SyncStats, instance: u64, held: u64, replicas: u64) -> String {
         use std::fmt::Write as _;
         let mut out = String::new();
         for c in Counter::ALL {
@@ -146,6 +173,9 @@ impl Counters {
             let _ = writeln!(out, "# TYPE {name} counter\n{name} {v}");
         }
         let _ = writeln!(out, "# TYPE kvroute_wasm_instance gauge\nkvroute_wasm_instance {instance}");
+        for (name, v) in [("kvroute_wasm_flow_held", held), ("kvroute_wasm_flow_replicas", replicas)] {
+            let _ = writeln!(out, "# TYPE {name} gauge\n{name} {v}");
+        }
         out
     }
 }
@@ -163,6 +193,8 @@ mod tests {
         }
         let mut c = Counters::default();
         c.bump(Counter::Shed);
-        assert!(c.exposition(&SyncStats::default(), 3).contains("kvroute_wasm_shed_total 1\n"));
+        let page = c.exposition(&SyncStats::default(), 3, 2, 5);
+        assert!(page.contains("kvroute_wasm_shed_total 1\n"));
+        assert!(page.contains("kvroute_wasm_flow_held 2\n") && page.contains("kvroute_wasm_flow_replicas 5\n"));
     }
 }

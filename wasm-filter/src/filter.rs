@@ -1,6 +1,16 @@
 //! The proxy-wasm glue (wasm32 only): the root context owns the router, the shared log and the
 //! metric poller; HTTP contexts hold only their request's state.
 //!
+//! Flow control (the core's `admit` / `take_releases` / `cancel` protocol, documented on
+//! `kvroute::Admission`): a request the core queues stays paused (its body callback answered
+//! `Pause`); its parsed request waits in [`FlowHold`] with its context id. Releases are taken at
+//! every dispatch opportunity (the tick, a completion, a finished metrics poll, an admission, a
+//! configuration) and acted on from whichever context took them, after switching the effective
+//! context to the held stream: a dispatched one is routed and resumed, a dropped one answered
+//! with its status and `x-llm-d-request-dropped-reason`. Other VMs' queued requests are held as
+//! replicas (entries `FlowQueued` / `FlowLeft` of the shared log) so that this VM's requests
+//! queue behind them; a replica's release is its owner's to act on.
+//!
 //! Host calls go through `crate::host` (imported as `hostcalls`), whose wrappers return every
 //! status as a `Result`: a failed call is handled (the request fails open, the failure is logged
 //! and counted), never a trap. Request headers are only ever changed while the request is
@@ -18,8 +28,8 @@ use crate::host::{
     Action, BufferType, Context, ContextType, HttpContext, LogLevel, MapType, MetricType, RootContext, Status,
 };
 use kvroute::{
-    EndpointSpec, EventIngestError, MetricsSnapshot, RequestError, RouteError, RouterCore, RoutingEffect, StateError,
-    HEADER_DESTINATION,
+    Admission, Decision, EndpointSpec, EventIngestError, MetricsSnapshot, Rejection, Release, ReleaseOutcome,
+    RequestError, RouteError, RouteRequest, RouterCore, RoutingEffect, StateError, Ticket, HEADER_DESTINATION,
 };
 
 use crate::config::{
@@ -79,6 +89,85 @@ struct Active {
     next_poll_ms: u64,
     /// Event-post signatures this VM accepted within the timestamp window (replays are refused).
     recent_signatures: ingest::RecentSignatures,
+    /// Flow control's held requests and the replicas of the other VMs' queues.
+    flow: FlowHold,
+}
+
+/// A replica released here to be dispatched is remembered this long (longer than the core's
+/// one-second load grace: forgetting it later finds nothing and changes nothing).
+const REPLICA_RELEASED_KEEP_MS: u64 = 5_000;
+
+/// Flow control in this VM: its held requests (the paused streams) and the replicas of the other
+/// VMs' queued requests.
+#[derive(Default)]
+struct FlowHold {
+    /// This VM's requests the router holds or released and the filter has not finished with.
+    held: BTreeMap<Ticket, Held>,
+    /// Releases whose host calls were refused, in release order: retried at every opportunity.
+    retry: Vec<Ticket>,
+    /// Streams released and resumed from another context: context id → the in-flight id to
+    /// complete when the stream ends.
+    routed: BTreeMap<u32, String>,
+    /// Replicas: (origin instance, the origin's ticket) → the router's ticket here, and when it
+    /// was released here to be dispatched.
+    replicas: BTreeMap<(u64, u64), (Ticket, Option<u64>)>,
+    /// The router's replica tickets → (origin instance, the origin's ticket).
+    replica_of: BTreeMap<Ticket, (u64, u64)>,
+    /// Replicas released here to be dispatched, oldest first: (when, key), pruned after
+    /// [`REPLICA_RELEASED_KEEP_MS`] when their owner's `FlowLeft` never came.
+    released: std::collections::VecDeque<(u64, (u64, u64))>,
+    /// Reused buffer of `take_releases_into`.
+    releases: Vec<Release>,
+    /// The running HTTP callback's own request was released and routed: its return value
+    /// resumes it.
+    resume_own: bool,
+}
+
+/// A held request.
+struct Held {
+    /// Its stream's context id.
+    context_id: u32,
+    /// The request as parsed at admission (routed as it is when released).
+    request: RouteRequest,
+    state: HeldState,
+}
+
+/// Where a held request is.
+#[derive(Clone)]
+enum HeldState {
+    /// Queued by the router.
+    Queued,
+    /// Released (after waiting this many ms): route and resume it, or answer it.
+    Released(ReleaseOutcome, u64),
+    /// Its upstream headers are set; resume it (the host refused before). The in-flight id, when
+    /// the core routed it.
+    Resuming(Option<String>),
+}
+
+impl FlowHold {
+    /// Forget every replica (their owners still hold the requests). Returns the router tickets.
+    fn drop_replicas(&mut self) -> Vec<Ticket> {
+        self.replicas.clear();
+        self.released.clear();
+        std::mem::take(&mut self.replica_of).into_keys().collect()
+    }
+
+    /// Forget the replicas released here long enough ago that their owner's `FlowLeft` no longer
+    /// matters (the core stopped counting them as load after one second).
+    fn prune(&mut self, now: u64) {
+        while let Some(&(at, key)) = self.released.front() {
+            if now.saturating_sub(at) <= REPLICA_RELEASED_KEEP_MS && at <= now {
+                break;
+            }
+            self.released.pop_front();
+            if let Some(&(t, Some(r))) = self.replicas.get(&key) {
+                if r == at {
+                    self.replicas.remove(&key);
+                    self.replica_of.remove(&t);
+                }
+            }
+        }
+    }
 }
 
 /// State shared by the root context and the HTTP contexts of one plugin instance in one VM.
@@ -90,6 +179,14 @@ struct Shared {
     /// a request costs no metric host call).
     unflushed: RefCell<[u64; Counter::ALL.len()]>,
     instance: std::cell::Cell<u64>,
+    /// Root contexts of this plugin instance alive in this VM: when the last one is done, the
+    /// router's queue shuts down (held requests are answered 503).
+    roots: Cell<u32>,
+    /// The queue was shut down: a later configuration starts a new router.
+    shut_down: Cell<bool>,
+    /// The tick period the host last accepted (ms; 0: refused, asked again while requests are
+    /// held).
+    tick_ms: Cell<u64>,
 }
 
 impl Shared {
@@ -139,19 +236,22 @@ impl Shared {
 }
 
 impl Active {
-    /// Apply the entries other VMs appended since the last call.
+    /// Apply the entries other VMs appended since the last call. When entries were lost (an
+    /// overrun, or a slot never written), see [`Active::lost_entries`].
     fn sync(&mut self, shared: &Shared, now: u64) {
-        let router = &mut self.router;
+        let Active { router, log: shared_log, flow, .. } = self;
+        let lost = shared_log.stats.lost;
         let mut errors = 0u32;
         let mut divergences = 0u32;
-        let r = self.log.poll(&mut HostStore, now, |origin, entry| match apply_entry(router, origin, entry) {
-            Ok(false) => {}
-            Ok(true) => divergences += 1,
-            Err(e) => {
-                errors += 1;
-                log(LogLevel::Debug, &format!("kvroute: shared log entry of instance {origin} not applied: {e}"));
-            }
-        });
+        let r =
+            shared_log.poll(&mut HostStore, now, |origin, entry| match apply_entry(router, flow, origin, entry, now) {
+                Ok(false) => {}
+                Ok(true) => divergences += 1,
+                Err(e) => {
+                    errors += 1;
+                    log(LogLevel::Debug, &format!("kvroute: shared log entry of instance {origin} not applied: {e}"));
+                }
+            });
         if let Err(e) = r {
             errors += 1;
             log(LogLevel::Warn, &format!("kvroute: reading the shared log failed: {e}"));
@@ -161,6 +261,152 @@ impl Active {
         }
         for _ in 0..divergences {
             shared.bump(Counter::SyncDivergences);
+        }
+        if self.log.stats.lost > lost {
+            self.lost_entries(shared);
+        }
+    }
+
+    /// This VM lost log entries, so its replicas of the other VMs' queues may be stale (a lost
+    /// `FlowLeft` would hold a slot for a request long gone) or missing: it forgets them all (their
+    /// owners still hold the requests), and releases its own queued requests at once rather than
+    /// let them wait on a view it cannot trust (fail-open for the queue; the core counts them as
+    /// cancelled, the filter in `kvroute_wasm_flow_fail_open_total`). They are routed at the next
+    /// opportunity.
+    fn lost_entries(&mut self, shared: &Shared) {
+        for t in self.flow.drop_replicas() {
+            self.router.forget_replica(t);
+        }
+        let queued: Vec<Ticket> =
+            self.flow.held.iter().filter(|(_, h)| matches!(h.state, HeldState::Queued)).map(|(t, _)| *t).collect();
+        if queued.is_empty() {
+            return;
+        }
+        log(
+            LogLevel::Warn,
+            &format!("kvroute: shared log entries lost: {} held requests released without waiting", queued.len()),
+        );
+        for t in queued {
+            if !self.router.cancel(t) {
+                continue;
+            }
+            if let Some(h) = self.flow.held.get_mut(&t) {
+                h.state = HeldState::Released(ReleaseOutcome::Dispatched, 0);
+            }
+            self.flow.retry.push(t);
+            self.append(shared, &Entry::FlowLeft { ticket: t.0 });
+            shared.bump(Counter::FlowFailOpen);
+        }
+    }
+
+    /// A dispatch opportunity at `now`: take flow control's releases and act on this VM's
+    /// (after those whose host calls were refused before); a replica's release is its owner's to
+    /// act on. `own`: the context whose callback is running (its own stream goes on by the
+    /// callback's return value, never by a continue). Returns whether the effective context was
+    /// switched (the caller switches back to `own`).
+    fn flow_opportunity(&mut self, shared: &Shared, now: u64, own: u32) -> bool {
+        let mut switched = false;
+        for t in std::mem::take(&mut self.flow.retry) {
+            switched |= self.act_on(shared, t, now, own);
+        }
+        let mut releases = std::mem::take(&mut self.flow.releases);
+        self.router.take_releases_into(now, &mut releases);
+        for r in releases.drain(..) {
+            if let Some(&key) = self.flow.replica_of.get(&r.ticket) {
+                match r.outcome {
+                    ReleaseOutcome::Dispatched => {
+                        if let Some(v) = self.flow.replicas.get_mut(&key) {
+                            v.1 = Some(now);
+                            self.flow.released.push_back((now, key));
+                        }
+                    }
+                    ReleaseOutcome::Dropped(_) => {
+                        self.flow.replica_of.remove(&r.ticket);
+                        self.flow.replicas.remove(&key);
+                    }
+                }
+                continue;
+            }
+            let Some(h) = self.flow.held.get_mut(&r.ticket) else { continue };
+            h.state = HeldState::Released(r.outcome, r.waited_ms);
+            self.append(shared, &Entry::FlowLeft { ticket: r.ticket.0 });
+            switched |= self.act_on(shared, r.ticket, now, own);
+        }
+        self.flow.releases = releases;
+        switched
+    }
+
+    /// Act on the released request `t`, from any context: switch to its stream, then route and
+    /// resume it, or answer it. A refused host call keeps it for the next opportunity. Returns
+    /// whether the effective context was switched.
+    fn act_on(&mut self, shared: &Shared, t: Ticket, now: u64, own: u32) -> bool {
+        let Some(mut h) = self.flow.held.remove(&t) else { return false };
+        if h.context_id != own && hostcalls::set_effective_context(h.context_id).is_err() {
+            shared.bump(Counter::InternalErrors);
+            log(LogLevel::Warn, "kvroute: switching to a held request's stream was refused; retried at the next tick");
+            self.flow.held.insert(t, h);
+            self.flow.retry.push(t);
+            return false;
+        }
+        let switched = h.context_id != own;
+        if let HeldState::Released(outcome, waited) = &h.state {
+            // In the held stream's context: the log line names the stream.
+            let what = match outcome {
+                ReleaseOutcome::Dispatched => "dispatched".to_owned(),
+                ReleaseOutcome::Dropped(r) => format!("dropped ({} {})", r.status, r.reason.as_str()),
+            };
+            log(LogLevel::Debug, &format!("kvroute: flow release: {what} after {waited} ms"));
+        }
+        loop {
+            match std::mem::replace(&mut h.state, HeldState::Queued) {
+                HeldState::Queued => {
+                    self.flow.held.insert(t, h);
+                    return switched;
+                }
+                HeldState::Released(ReleaseOutcome::Dispatched, _) => {
+                    let result = self.router.route(&h.request, now);
+                    let routed = apply_route(shared, self, result);
+                    if !routed.upstream {
+                        return switched;
+                    }
+                    shared.bump(Counter::FlowResumed);
+                    h.state = HeldState::Resuming(routed.request_id);
+                }
+                HeldState::Released(ReleaseOutcome::Dropped(rej), _) => {
+                    if flow_reply(&rej) {
+                        shared.bump(Counter::FlowDropped);
+                        return switched;
+                    }
+                    // The answer cannot be sent: fail open rather than hold the request.
+                    shared.bump(Counter::InternalErrors);
+                    if !fail_open_with(shared, Some(self), "internal", None) {
+                        return switched;
+                    }
+                    h.state = HeldState::Resuming(None);
+                }
+                HeldState::Resuming(id) => {
+                    if h.context_id == own {
+                        // Resumed by the running callback's return value.
+                        if let Some(id) = id {
+                            self.flow.routed.insert(own, id);
+                        }
+                        self.flow.resume_own = true;
+                        return switched;
+                    }
+                    if hostcalls::continue_request_stream().is_ok() {
+                        if let Some(id) = id {
+                            self.flow.routed.insert(h.context_id, id);
+                        }
+                        return switched;
+                    }
+                    shared.bump(Counter::InternalErrors);
+                    log(LogLevel::Warn, "kvroute: resuming a released request was refused; retried at the next tick");
+                    h.state = HeldState::Resuming(id);
+                    self.flow.held.insert(t, h);
+                    self.flow.retry.push(t);
+                    return switched;
+                }
+            }
         }
     }
 
@@ -174,7 +420,14 @@ impl Active {
 
 /// Apply one entry of another instance. `Ok(true)`: an event batch was judged differently here
 /// than by its writer (this VM missed entries), so the stream was resynced and the batch applied.
-fn apply_entry(router: &mut RouterCore, origin: u64, entry: Entry<'_>) -> Result<bool, String> {
+fn apply_entry(
+    router: &mut RouterCore,
+    flow: &mut FlowHold,
+    origin: u64,
+    entry: Entry<'_>,
+    now: u64,
+) -> Result<bool, String> {
+    let replica = entry.flow_replica();
     match entry {
         Entry::Effect(bytes) => {
             let mut e = RoutingEffect::decode(bytes).map_err(|e| e.to_string())?;
@@ -204,6 +457,21 @@ fn apply_entry(router: &mut RouterCore, origin: u64, entry: Entry<'_>) -> Result
             }
         }
         Entry::Resync { endpoint, now_ms } => router.resync_stream(endpoint, now_ms).map_err(|e| e.to_string())?,
+        Entry::FlowQueued { ticket, .. } => {
+            // Flow control off here (or shutting down): no replica, nothing to order against.
+            let Some(local) = replica.and_then(|r| router.enqueue_replica(&r, now)) else { return Ok(false) };
+            if let Some((old, _)) = flow.replicas.insert((origin, ticket), (local, None)) {
+                flow.replica_of.remove(&old);
+                router.forget_replica(old);
+            }
+            flow.replica_of.insert(local, (origin, ticket));
+        }
+        Entry::FlowLeft { ticket } => {
+            if let Some((local, _)) = flow.replicas.remove(&(origin, ticket)) {
+                flow.replica_of.remove(&local);
+                router.forget_replica(local);
+            }
+        }
     }
     Ok(false)
 }
@@ -217,6 +485,10 @@ fn apply_entry(router: &mut RouterCore, origin: u64, entry: Entry<'_>) -> Result
 /// root context complete against the same router.
 pub struct Root {
     shared: Rc<Shared>,
+    /// This root context's id (the effective context to switch back to).
+    context_id: u32,
+    /// Counted in `Shared::roots`.
+    adopted: bool,
 }
 
 std::thread_local! {
@@ -230,13 +502,16 @@ fn new_shared() -> Rc<Shared> {
         metric_ids: RefCell::new(None),
         unflushed: RefCell::new([0; Counter::ALL.len()]),
         instance: std::cell::Cell::new(0),
+        roots: Cell::new(0),
+        shut_down: Cell::new(false),
+        tick_ms: Cell::new(0),
     })
 }
 
 impl Root {
-    /// A root context with no configuration yet.
-    pub fn new() -> Root {
-        Root { shared: new_shared() }
+    /// The root context `context_id`, with no configuration yet.
+    pub fn new(context_id: u32) -> Root {
+        Root { shared: new_shared(), context_id, adopted: false }
     }
 
     /// Adopt the state of this root id in this VM (or register ours).
@@ -252,6 +527,10 @@ impl Root {
         if let Some(shared) = found.flatten() {
             self.shared = shared;
         }
+        if !self.adopted {
+            self.adopted = true;
+            self.shared.roots.set(self.shared.roots.get() + 1);
+        }
     }
 
     fn configure(&mut self, cfg: PluginConfig) -> Result<(), String> {
@@ -263,6 +542,10 @@ impl Root {
         }
         let instance = self.shared.instance.get();
         let now = now_ms();
+        if self.shared.shut_down.replace(false) {
+            // The plugin's last root context was done and its queue shut down: start afresh.
+            *slot = None;
+        }
         match slot.as_mut() {
             None => {
                 let mut router = RouterCore::new(cfg.policy.clone());
@@ -275,6 +558,7 @@ impl Root {
                     polls: BTreeMap::new(),
                     next_poll_ms: 0,
                     recent_signatures: ingest::RecentSignatures::default(),
+                    flow: FlowHold::default(),
                 };
                 // Start from what the other VMs already know (the entries the ring retains).
                 a.sync(&self.shared, now);
@@ -288,6 +572,10 @@ impl Root {
                 sync_endpoints(&mut a.router, &cfg)?;
                 let (old, new) = (&a.cfg.filter.sync, &cfg.filter.sync);
                 if old.namespace != new.namespace || old.ring_entries != new.ring_entries {
+                    // The replicas came from the old log; the other VMs move to the new one too.
+                    for t in a.flow.drop_replicas() {
+                        a.router.forget_replica(t);
+                    }
                     a.log = SharedLog::new(&new.namespace, new.ring_entries, instance);
                     a.sync(&self.shared, now);
                 }
@@ -295,21 +583,58 @@ impl Root {
                 a.next_poll_ms = 0;
             }
         }
-        drop(slot);
-        if let Err(s) = hostcalls::set_tick_period(Duration::from_millis(cfg.filter.sync.tick_ms)) {
-            // No ticks: requests, event posts and the stats page still sync the log; polling waits
-            // for the next configuration.
-            self.shared.bump(Counter::InternalErrors);
-            log(LogLevel::Warn, &format!("kvroute: setting the tick period: {s:?}"));
+        // A reload is a dispatch opportunity (and may have dropped or released held requests).
+        if let Some(a) = slot.as_mut() {
+            if a.flow_opportunity(&self.shared, now, self.context_id) {
+                let _ = hostcalls::set_effective_context(self.context_id);
+            }
         }
+        drop(slot);
+        // A refusal leaves no ticks: requests, event posts and the stats page still sync the log,
+        // polling waits for the next configuration, and the next queued request asks again.
+        self.shared.tick_ms.set(0);
+        set_tick(&self.shared, cfg.filter.sync.tick_ms);
         Ok(())
+    }
+
+    /// The tick's flow-control work: apply the log, take the releases and act on them, and ask
+    /// for the next tick at the nearest queue deadline (at most the sync tick).
+    fn flow_tick(&self, now: u64) {
+        let Ok(mut slot) = self.shared.active.try_borrow_mut() else { return };
+        let Some(a) = slot.as_mut() else { return };
+        a.sync(&self.shared, now);
+        a.flow.prune(now);
+        if a.flow_opportunity(&self.shared, now, self.context_id) {
+            let _ = hostcalls::set_effective_context(self.context_id);
+        }
+        let wanted = wanted_tick_ms(a, now);
+        if wanted != self.shared.tick_ms.get() {
+            set_tick(&self.shared, wanted);
+        }
+    }
+
+    /// The plugin's last root context in this VM is done: drop every held request with 503
+    /// `rejected-shutting-down` (nothing would release them any more).
+    fn shutdown_queue(&self) {
+        let now = now_ms();
+        let Ok(mut slot) = self.shared.active.try_borrow_mut() else { return };
+        let Some(a) = slot.as_mut() else { return };
+        a.router.shutdown_queue();
+        self.shared.shut_down.set(true);
+        let held = a.flow.held.len();
+        if a.flow_opportunity(&self.shared, now, self.context_id) {
+            let _ = hostcalls::set_effective_context(self.context_id);
+        }
+        if held > 0 {
+            log(LogLevel::Info, &format!("kvroute: plugin done: {held} held requests answered 503"));
+        }
     }
 
     fn poll_metrics(&self, now: u64) {
         let calls = {
             let Ok(mut slot) = self.shared.active.try_borrow_mut() else { return };
             let Some(a) = slot.as_mut() else { return };
-            a.sync(&self.shared, now);
+            // (The tick's flow-control work applied the log just before.)
             let Some(m) = a.cfg.filter.metrics.clone() else { return };
             // A clock that went backwards restarts the schedule.
             let due = now >= a.next_poll_ms || a.next_poll_ms.saturating_sub(now) > m.interval_ms;
@@ -368,12 +693,6 @@ impl Root {
     }
 }
 
-impl Default for Root {
-    fn default() -> Self {
-        Root::new()
-    }
-}
-
 /// Make the router's endpoint table match the configuration (removals first, so that a full
 /// table can take new endpoints).
 fn sync_endpoints(router: &mut RouterCore, cfg: &PluginConfig) -> Result<(), String> {
@@ -416,25 +735,45 @@ impl Context for Root {
         let Ok(mut slot) = self.shared.active.try_borrow_mut() else { return };
         let Some(a) = slot.as_mut() else { return };
         let Some((endpoint, _)) = a.polls.remove(&token_id) else { return };
-        let Some(body) = body else {
-            self.shared.bump(Counter::PollFailures);
-            log(LogLevel::Debug, &format!("kvroute: metrics of {endpoint}: status {status:?}"));
-            return;
-        };
-        let text = String::from_utf8_lossy(&body);
-        match a.router.update_metrics_from_prometheus(&endpoint, &text, now) {
-            Ok(m) => {
-                self.shared.bump(Counter::Polls);
-                match serde_json::to_vec(&m) {
-                    Ok(json) => a.append(&self.shared, &Entry::Metrics { endpoint: &endpoint, snapshot: &json }),
-                    Err(_) => self.shared.bump(Counter::InternalErrors),
+        match body {
+            None => {
+                self.shared.bump(Counter::PollFailures);
+                log(LogLevel::Debug, &format!("kvroute: metrics of {endpoint}: status {status:?}"));
+            }
+            Some(body) => {
+                let text = String::from_utf8_lossy(&body);
+                match a.router.update_metrics_from_prometheus(&endpoint, &text, now) {
+                    Ok(m) => {
+                        self.shared.bump(Counter::Polls);
+                        match serde_json::to_vec(&m) {
+                            Ok(json) => {
+                                a.append(&self.shared, &Entry::Metrics { endpoint: &endpoint, snapshot: &json });
+                            }
+                            Err(_) => self.shared.bump(Counter::InternalErrors),
+                        }
+                    }
+                    Err(e) => {
+                        self.shared.bump(Counter::PollFailures);
+                        log(LogLevel::Warn, &format!("kvroute: metrics of {endpoint} unreadable: {e}"));
+                    }
                 }
             }
-            Err(e) => {
-                self.shared.bump(Counter::PollFailures);
-                log(LogLevel::Warn, &format!("kvroute: metrics of {endpoint} unreadable: {e}"));
+        }
+        // The round's last answer: a dispatch opportunity on the whole round's figures.
+        if a.polls.is_empty() && a.flow_opportunity(&self.shared, now, self.context_id) {
+            let _ = hostcalls::set_effective_context(self.context_id);
+        }
+    }
+
+    fn on_done(&mut self) -> bool {
+        if std::mem::take(&mut self.adopted) {
+            let left = self.shared.roots.get().saturating_sub(1);
+            self.shared.roots.set(left);
+            if left == 0 {
+                self.shutdown_queue();
             }
         }
+        true
     }
 }
 
@@ -472,12 +811,21 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        self.poll_metrics(now_ms());
+        let now = now_ms();
+        self.flow_tick(now);
+        self.poll_metrics(now);
         self.shared.flush_metrics();
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Http { shared: self.shared.clone(), phase: Phase::Start, request_id: None, headers: Vec::new() }))
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Http {
+            shared: self.shared.clone(),
+            context_id,
+            phase: Phase::Start,
+            request_id: None,
+            ticket: None,
+            headers: Vec::new(),
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -492,6 +840,8 @@ enum Phase {
     Buffering,
     /// An event post: buffering its body (with its signature, to verify against the body).
     Event(EventPost, Option<Signed>),
+    /// Held by flow control (paused; its request waits in [`FlowHold`]).
+    Held,
     /// Done with it (routed, answered locally, or passed through).
     Done,
 }
@@ -512,9 +862,13 @@ fn is_kvroute_header(name: &str) -> bool {
 /// One HTTP request.
 struct Http {
     shared: Rc<Shared>,
+    /// This stream's context id.
+    context_id: u32,
     phase: Phase,
     /// The id to complete when the stream ends (routed requests only).
     request_id: Option<String>,
+    /// Its flow-control ticket while it is held (or released and not finished with).
+    ticket: Option<Ticket>,
     /// The request headers, read once in the headers callback (without the headers a client
     /// must not set); the decision reads them from here.
     headers: Vec<(String, String)>,
@@ -547,6 +901,149 @@ fn json_reply(status: u32, body: &str) {
     reply_or_reset(status, vec![("content-type", "application/json")], body);
 }
 
+/// Answers a request flow control refused or dropped: its status, `x-llm-d-request-dropped-reason`
+/// and a JSON body. `false`: the host refused (logged).
+fn flow_reply(rej: &Rejection) -> bool {
+    let (name, reason) = rej.header();
+    let body = ingest::error_body(reason, "refused by flow control");
+    reply(u32::from(rej.status), vec![(name, reason), ("content-type", "application/json")], &body)
+}
+
+/// What became of a request the filter routed, in the current (effective) stream.
+struct Routed {
+    /// It goes upstream (its headers are set): let it go on.
+    upstream: bool,
+    /// Its in-flight id: completed when the stream ends.
+    request_id: Option<String>,
+}
+
+/// Apply a routing result to the current stream: set the destination headers (and replicate the
+/// decision's effect), or answer the core's 429, or fail open when the core could not route.
+fn apply_route(shared: &Shared, a: &mut Active, result: Result<Decision, RouteError>) -> Routed {
+    let debug = a.cfg.filter.debug_decision_header;
+    let d = match result {
+        Ok(d) => d,
+        Err(e) => {
+            let (counter, reason) = match &e {
+                RouteError::Request(RequestError::BodyTooLarge { .. }) => (Counter::BodyTooLarge, "body_too_large"),
+                RouteError::Request(_) => (Counter::RequestErrors, "request_error"),
+                RouteError::NoEndpoints { .. } => (Counter::NoEndpoints, "no_endpoints"),
+                _ => (Counter::InternalErrors, "internal"),
+            };
+            shared.bump(counter);
+            let level = if counter == Counter::RequestErrors { LogLevel::Debug } else { LogLevel::Warn };
+            log(level, &format!("kvroute: not routed by the core ({reason}): {e}"));
+            let upstream = fail_open_with(shared, Some(a), reason, debug.then(|| error_json(&e)));
+            return Routed { upstream, request_id: None };
+        }
+    };
+    if let Some(shed) = d.shed() {
+        shared.bump(Counter::Shed);
+        let json = debug.then(|| d.to_json().to_string());
+        let mut h: Vec<(&str, &str)> = d.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        if let Some(j) = &json {
+            h.push((HEADER_DECISION, j));
+        }
+        h.push(("content-type", "application/json"));
+        let body = serde_json::json!({"error": "shed", "reason": shed.reason}).to_string();
+        if !reply(u32::from(shed.status), h, &body) {
+            // The 429 cannot be sent: fail open rather than hold the request.
+            shared.bump(Counter::InternalErrors);
+            return Routed { upstream: fail_open_with(shared, Some(a), "internal", None), request_id: None };
+        }
+        return Routed { upstream: false, request_id: None };
+    }
+    if let Some(e) = &d.effect {
+        a.append(shared, &Entry::Effect(&e.encode()));
+    }
+    shared.bump(Counter::Routed);
+    let mut ok = d.headers.iter().all(|(k, v)| set_header(k, v));
+    if debug {
+        ok &= set_header(HEADER_DECISION, &d.to_json().to_string());
+    }
+    if !ok {
+        shared.bump(Counter::InternalErrors);
+        log(LogLevel::Warn, "kvroute: setting the routing headers failed");
+    }
+    Routed { upstream: true, request_id: Some(d.request_id) }
+}
+
+/// Route the current stream to the core's fail-open endpoint (`RouterCore::fail_open_endpoint`:
+/// least loaded), or reject it when fail-open is off. Request headers must still be paused.
+/// True: it goes upstream; false: it was answered (or reset).
+fn fail_open_with(shared: &Shared, a: Option<&Active>, reason: &str, error: Option<serde_json::Value>) -> bool {
+    let (target, enabled, status) = match a {
+        Some(a) => (
+            a.router.fail_open_endpoint().map(|e| e.to_string()),
+            a.cfg.filter.fail_open.enabled,
+            a.cfg.filter.fail_open.reject_status,
+        ),
+        None => (None, true, crate::config::DEFAULT_REJECT_STATUS),
+    };
+    let debug = error.map(|e| serde_json::json!({"error": e, "fallback": target}).to_string());
+    match target {
+        Some(t) if enabled => {
+            shared.bump(Counter::FailOpen);
+            let mut ok = set_header(HEADER_DESTINATION, &t) && set_header(HEADER_FALLBACK, reason);
+            if let Some(j) = &debug {
+                ok &= set_header(HEADER_DECISION, j);
+            }
+            if !ok {
+                shared.bump(Counter::InternalErrors);
+            }
+            true
+        }
+        _ if reason == "unconfigured" => {
+            // Never configured: stay out of the way (the request goes wherever the route
+            // sends it; the client's destination headers were removed).
+            shared.bump(Counter::Unconfigured);
+            true
+        }
+        _ => {
+            shared.bump(Counter::Rejected);
+            let mut h = vec![(HEADER_FALLBACK, reason), ("content-type", "application/json")];
+            if let Some(j) = &debug {
+                h.push((HEADER_DECISION, j));
+            }
+            reply_or_reset(u32::from(status), h, &ingest::error_body("not_routed", reason));
+            false
+        }
+    }
+}
+
+/// The tick period flow control wants: the sync tick, shorter when a queue deadline is nearer.
+fn wanted_tick_ms(a: &Active, now: u64) -> u64 {
+    let base = a.cfg.filter.sync.tick_ms.max(1);
+    match a.router.next_flow_deadline() {
+        Some(d) => d.saturating_sub(now).clamp(1, base),
+        None => base,
+    }
+}
+
+/// While requests are held: ticks no later than the nearest queue deadline, and ticks at all
+/// when the host refused the period before (asked again here, so held requests never wait on a
+/// tick that is not armed). No host call otherwise.
+fn ensure_tick(shared: &Shared, a: &Active, now: u64) {
+    if a.flow.held.is_empty() {
+        return;
+    }
+    let wanted = wanted_tick_ms(a, now);
+    if shared.tick_ms.get() == 0 || wanted < shared.tick_ms.get() {
+        set_tick(shared, wanted);
+    }
+}
+
+/// Ask the host for ticks every `ms` (a refusal keeps the previous period; counted).
+fn set_tick(shared: &Shared, ms: u64) {
+    match hostcalls::set_tick_period(Duration::from_millis(ms)) {
+        Ok(()) => shared.tick_ms.set(ms),
+        Err(s) => {
+            shared.bump(Counter::InternalErrors);
+            log(LogLevel::Warn, &format!("kvroute: setting the tick period: {s:?}"));
+        }
+    }
+}
+
 /// The error JSON of the debug header.
 fn error_json(e: &RouteError) -> serde_json::Value {
     let (kind, field, header) = match e {
@@ -565,118 +1062,111 @@ impl Http {
         self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }
 
-    /// Headers to set upstream, or a local answer.
+    /// Headers to set upstream, or a local answer, or (flow control queued it) hold it.
     fn decide(&mut self, body: &[u8]) -> Action {
         let now = now_ms();
         self.shared.bump(Counter::Requests);
         let headers = std::mem::take(&mut self.headers);
-        let Ok(mut slot) = self.shared.active.try_borrow_mut() else {
-            self.shared.bump(Counter::InternalErrors);
+        let shared = self.shared.clone();
+        let Ok(mut slot) = shared.active.try_borrow_mut() else {
+            shared.bump(Counter::InternalErrors);
             return self.fail_open("internal", None);
         };
         let Some(a) = slot.as_mut() else {
             drop(slot);
             return self.fail_open("unconfigured", None);
         };
-        a.sync(&self.shared, now);
-        let debug = a.cfg.filter.debug_decision_header;
-        let result = a.router.route_http(body, headers.iter().map(|(k, v)| (k.as_str(), v.as_str())), now);
-        let d = match result {
-            Ok(d) => d,
-            Err(e) => {
-                let (counter, reason) = match &e {
-                    RouteError::Request(RequestError::BodyTooLarge { .. }) => (Counter::BodyTooLarge, "body_too_large"),
-                    RouteError::Request(_) => (Counter::RequestErrors, "request_error"),
-                    RouteError::NoEndpoints { .. } => (Counter::NoEndpoints, "no_endpoints"),
-                    _ => (Counter::InternalErrors, "internal"),
-                };
-                self.shared.bump(counter);
-                let level = if counter == Counter::RequestErrors { LogLevel::Debug } else { LogLevel::Warn };
-                log(level, &format!("kvroute: not routed by the core ({reason}): {e}"));
-                drop(slot);
-                return self.fail_open(reason, debug.then(|| error_json(&e)));
+        a.sync(&shared, now);
+        let pairs = || headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        let req = match RouteRequest::parse(body, pairs(), &a.router.policy().policy.config().request) {
+            Ok(req) => req,
+            Err(_) => {
+                // The core reports (and counts) the error as it routes the request.
+                let result = a.router.route_http(body, pairs(), now);
+                let routed = apply_route(&shared, a, result);
+                return self.routed(routed);
             }
         };
-        if let Some(shed) = d.shed() {
-            drop(slot);
-            self.shared.bump(Counter::Shed);
-            let json = debug.then(|| d.to_json().to_string());
-            let mut h: Vec<(&str, &str)> = d.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            if let Some(j) = &json {
-                h.push((HEADER_DECISION, j));
+        // Flow control first (with it off, always `Admit`).
+        let action = match a.router.admit(&req, body.len() as u64, now) {
+            Admission::Admit => {
+                let result = a.router.route(&req, now);
+                let routed = apply_route(&shared, a, result);
+                self.routed(routed)
             }
-            h.push(("content-type", "application/json"));
-            let body = serde_json::json!({"error": "shed", "reason": shed.reason}).to_string();
-            if !reply(u32::from(shed.status), h, &body) {
-                // The 429 cannot be sent: fail open rather than hold the request.
-                self.shared.bump(Counter::InternalErrors);
-                return self.fail_open("internal", None);
+            Admission::Queued(t) => {
+                if let Some(r) = a.router.flow_replica(t) {
+                    a.append(&shared, &Entry::flow_queued(t.0, &r));
+                }
+                a.flow.held.insert(t, Held { context_id: self.context_id, request: req, state: HeldState::Queued });
+                self.ticket = Some(t);
+                self.phase = Phase::Held;
+                shared.bump(Counter::FlowQueued);
+                Action::Pause
             }
+            Admission::Rejected(r) => {
+                self.phase = Phase::Done;
+                shared.bump(Counter::FlowRejected);
+                if flow_reply(&r) {
+                    Action::Pause
+                } else {
+                    // The answer cannot be sent: fail open rather than hold the request.
+                    shared.bump(Counter::InternalErrors);
+                    let upstream = fail_open_with(&shared, Some(a), "internal", None);
+                    if upstream {
+                        Action::Continue
+                    } else {
+                        Action::Pause
+                    }
+                }
+            }
+        };
+        // The admission was a dispatch opportunity too (a queue deadline, an eviction).
+        a.flow.resume_own = false;
+        if a.flow_opportunity(&shared, now, self.context_id) {
+            let _ = hostcalls::set_effective_context(self.context_id);
+        }
+        if std::mem::take(&mut a.flow.resume_own) {
+            // Its own request was released at once (not expected: an admission dispatches what
+            // it can before queueing): the return value resumes it.
+            self.ticket = None;
+            self.phase = Phase::Done;
+            self.request_id = a.flow.routed.remove(&self.context_id);
+            return Action::Continue;
+        }
+        ensure_tick(&shared, a, now);
+        if self.ticket.is_some_and(|t| !a.flow.held.contains_key(&t)) {
+            // Released and answered at once.
+            self.ticket = None;
             self.phase = Phase::Done;
             return Action::Pause;
         }
-        if let Some(e) = &d.effect {
-            a.append(&self.shared, &Entry::Effect(&e.encode()));
-        }
-        drop(slot);
-        self.shared.bump(Counter::Routed);
-        self.request_id = Some(d.request_id.clone());
-        let mut ok = d.headers.iter().all(|(k, v)| set_header(k, v));
-        if debug {
-            ok &= set_header(HEADER_DECISION, &d.to_json().to_string());
-        }
-        if !ok {
-            self.shared.bump(Counter::InternalErrors);
-            log(LogLevel::Warn, "kvroute: setting the routing headers failed");
-        }
+        action
+    }
+
+    /// The return value for a request routed in its own callback.
+    fn routed(&mut self, r: Routed) -> Action {
         self.phase = Phase::Done;
-        Action::Continue
+        if r.upstream {
+            self.request_id = r.request_id;
+            Action::Continue
+        } else {
+            Action::Pause
+        }
     }
 
     /// Route to the core's fail-open endpoint (`RouterCore::fail_open_endpoint`: least loaded), or
-    /// reject when fail-open is off. Request headers
-    /// must still be paused.
+    /// reject when fail-open is off. Request headers must still be paused.
     fn fail_open(&mut self, reason: &str, error: Option<serde_json::Value>) -> Action {
         self.phase = Phase::Done;
-        let (target, enabled, status) = match self.shared.active.try_borrow() {
-            Ok(slot) => match slot.as_ref() {
-                Some(a) => (
-                    a.router.fail_open_endpoint().map(|e| e.to_string()),
-                    a.cfg.filter.fail_open.enabled,
-                    a.cfg.filter.fail_open.reject_status,
-                ),
-                None => (None, true, crate::config::DEFAULT_REJECT_STATUS),
-            },
-            Err(_) => (None, true, crate::config::DEFAULT_REJECT_STATUS),
+        let upstream = match self.shared.active.try_borrow() {
+            Ok(slot) => fail_open_with(&self.shared, slot.as_ref(), reason, error),
+            Err(_) => fail_open_with(&self.shared, None, reason, error),
         };
-        let debug = error.map(|e| serde_json::json!({"error": e, "fallback": target}).to_string());
-        match target {
-            Some(t) if enabled => {
-                self.shared.bump(Counter::FailOpen);
-                let mut ok = set_header(HEADER_DESTINATION, &t) && set_header(HEADER_FALLBACK, reason);
-                if let Some(j) = &debug {
-                    ok &= set_header(HEADER_DECISION, j);
-                }
-                if !ok {
-                    self.shared.bump(Counter::InternalErrors);
-                }
-                Action::Continue
-            }
-            _ if reason == "unconfigured" => {
-                // Never configured: stay out of the way (the request goes wherever the route
-                // sends it; the client's destination headers were removed).
-                self.shared.bump(Counter::Unconfigured);
-                Action::Continue
-            }
-            _ => {
-                self.shared.bump(Counter::Rejected);
-                let mut h = vec![(HEADER_FALLBACK, reason), ("content-type", "application/json")];
-                if let Some(j) = &debug {
-                    h.push((HEADER_DECISION, j));
-                }
-                reply_or_reset(u32::from(status), h, &ingest::error_body("not_routed", reason));
-                Action::Pause
-            }
+        if upstream {
+            Action::Continue
+        } else {
+            Action::Pause
         }
     }
 
@@ -855,7 +1345,9 @@ impl Http {
                 Some(a) => {
                     a.sync(&self.shared, now);
                     let counters = self.shared.counters.try_borrow().map(|c| c.clone()).unwrap_or_default();
-                    format!("{}{}", a.router.metrics_text(now), counters.exposition(&a.log.stats, a.log.instance()))
+                    let (held, replicas) = (a.flow.held.len() as u64, a.flow.replicas.len() as u64);
+                    let filter = counters.exposition(&a.log.stats, a.log.instance(), held, replicas);
+                    format!("{}{}", a.router.metrics_text(now), filter)
                 }
                 None => String::new(),
             },
@@ -865,16 +1357,47 @@ impl Http {
         Action::Pause
     }
 
-    fn complete(&mut self) {
-        let Some(id) = self.request_id.take() else { return };
-        let Ok(mut slot) = self.shared.active.try_borrow_mut() else {
-            self.shared.bump(Counter::InternalErrors);
+    /// The stream ends: a held request is cancelled (its client went away), a routed one is
+    /// completed (a dispatch opportunity: its slot is free).
+    fn finish(&mut self) {
+        if self.request_id.is_none() && self.ticket.is_none() {
+            let Ok(slot) = self.shared.active.try_borrow() else { return };
+            if slot.as_ref().is_none_or(|a| a.flow.routed.is_empty()) {
+                return;
+            }
+        }
+        let shared = self.shared.clone();
+        let Ok(mut slot) = shared.active.try_borrow_mut() else {
+            shared.bump(Counter::InternalErrors);
             return;
         };
         let Some(a) = slot.as_mut() else { return };
+        if let Some(t) = self.ticket.take() {
+            a.flow.retry.retain(|x| *x != t);
+            match a.flow.held.remove(&t).map(|h| h.state) {
+                Some(HeldState::Queued) => {
+                    if a.router.cancel(t) {
+                        a.append(&shared, &Entry::FlowLeft { ticket: t.0 });
+                    }
+                    shared.bump(Counter::FlowCancelled);
+                }
+                // Routed, not resumed yet: it is in flight all the same.
+                Some(HeldState::Resuming(id)) => self.request_id = id,
+                // Released but never acted on (its stream was unreachable): nothing to end.
+                Some(HeldState::Released(..)) | None => {}
+            }
+        }
+        if let Some(id) = a.flow.routed.remove(&self.context_id) {
+            self.request_id = Some(id);
+        }
+        ensure_tick(&shared, a, now_ms());
+        let Some(id) = self.request_id.take() else { return };
         // Unknown: expired after the in-flight timeout, or the router was rebuilt.
         if a.router.complete(&id).is_ok() {
-            a.append(&self.shared, &Entry::Complete(&id));
+            a.append(&shared, &Entry::Complete(&id));
+            if a.flow_opportunity(&shared, now_ms(), self.context_id) {
+                let _ = hostcalls::set_effective_context(self.context_id);
+            }
         }
     }
 
@@ -919,7 +1442,7 @@ impl Http {
 
 impl Context for Http {
     fn on_done(&mut self) -> bool {
-        self.complete();
+        self.finish();
         true
     }
 }
@@ -1018,6 +1541,8 @@ impl HttpContext for Http {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         match self.phase {
             Phase::Buffering | Phase::Event(..) => {}
+            // Held by flow control: only its release lets it go on.
+            Phase::Held => return Action::Pause,
             _ => return Action::Continue,
         }
         if body_size > self.body_limit() {
@@ -1045,11 +1570,12 @@ impl HttpContext for Http {
         match self.phase {
             // The body ended with trailers: it is all buffered now.
             Phase::Buffering | Phase::Event(..) => self.body_done(usize::MAX),
+            Phase::Held => Action::Pause,
             _ => Action::Continue,
         }
     }
 
     fn on_log(&mut self) {
-        self.complete();
+        self.finish();
     }
 }

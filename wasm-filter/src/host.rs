@@ -253,6 +253,8 @@ mod abi {
             grpc_status: i32,
         ) -> u32;
         pub fn proxy_close_stream(stream_type: u32) -> u32;
+        pub fn proxy_continue_stream(stream_type: u32) -> u32;
+        pub fn proxy_set_effective_context(context_id: u32) -> u32;
         pub fn proxy_http_call(
             upstream_data: *const u8,
             upstream_size: usize,
@@ -416,6 +418,19 @@ pub fn send_http_response(status_code: u32, headers: Vec<(&str, &str)>, body: Op
 pub fn close_request_stream() -> Result<(), Status> {
     // SAFETY: no pointers (0: the HTTP request stream).
     Status::check(unsafe { abi::proxy_close_stream(0) })
+}
+
+/// Resumes the current stream's request direction (held by an earlier `Pause`).
+pub fn continue_request_stream() -> Result<(), Status> {
+    // SAFETY: no pointers (0: the HTTP request stream).
+    Status::check(unsafe { abi::proxy_continue_stream(0) })
+}
+
+/// Makes `context_id` the context later host calls act on (a stream's headers, local reply,
+/// continue), e.g. from the root context's tick.
+pub fn set_effective_context(context_id: u32) -> Result<(), Status> {
+    // SAFETY: no pointers.
+    Status::check(unsafe { abi::proxy_set_effective_context(context_id) })
 }
 
 /// An HTTP callout to `upstream` (a cluster); its token identifies the answer.

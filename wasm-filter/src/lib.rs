@@ -5,7 +5,10 @@
 //! single-threaded) holds a [`kvroute::RouterCore`] directly, with no lock. The filter buffers
 //! the request body, asks the core, and sets the destination headers the fleet cluster's
 //! `override_host` load-balancing policy follows (`x-gateway-destination-endpoint`, `x-prefiller-host-port`,
-//! `x-kvroute-mode`), or answers 429 when the core sheds.
+//! `x-kvroute-mode`), or answers 429 when the core sheds. With the core's flow control on, a
+//! request the core queues stays paused until its release (routed then, or answered with the
+//! core's status and `x-llm-d-request-dropped-reason`), and the VMs order their queues against
+//! each other through the replicated log.
 //!
 //! Around the core it adds what only a proxy can do:
 //! - [`config`]: the plugin configuration (the core policy JSON plus a `filter` section);
@@ -36,5 +39,5 @@ mod host_map;
 /// Run once by the module's `_initialize` (in [`host`]): registers the root context factory.
 #[cfg(target_arch = "wasm32")]
 fn init() {
-    host::set_root_context(|_| -> Box<dyn host::RootContext> { Box::new(filter::Root::new()) });
+    host::set_root_context(|id| -> Box<dyn host::RootContext> { Box::new(filter::Root::new(id)) });
 }

@@ -2,8 +2,9 @@
 //!
 //! Envoy runs one VM per worker thread; each has its own [`kvroute::RouterCore`]. Every state change
 //! one VM makes (a routing decision's effects, a completion, a metrics snapshot, an event batch, a
-//! stream resync) is appended to the log, and every VM applies the entries it has not seen
-//! before each routing decision and on each tick. `wasm-filter/README.md` explains the choice;
+//! stream resync, a request flow control queued or that left its queue) is appended to the log,
+//! and every VM applies the entries it has not seen before each routing decision and on each
+//! tick. `wasm-filter/README.md` explains the choice;
 //! this module is the protocol, written against [`SharedStore`] so it is tested natively.
 //!
 //! # Keys (all under the configured namespace `ns` and ring size `N`)
@@ -109,7 +110,7 @@ impl VerdictCode {
 }
 
 /// One log entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Entry<'a> {
     /// A routing decision's effects (`kvroute::RoutingEffect::encode`).
     Effect(&'a [u8]),
@@ -142,6 +143,84 @@ pub enum Entry<'a> {
         /// Time (ms).
         now_ms: u64,
     },
+    /// Flow control queued one of the writer's requests (its ticket there, and what the other
+    /// VMs need to hold a replica of it: `kvroute::FlowReplica`).
+    FlowQueued {
+        /// The writer's ticket.
+        ticket: u64,
+        /// Fairness id.
+        fairness_id: &'a str,
+        /// Priority.
+        priority: i32,
+        /// When the writer queued it (ms).
+        enqueue_ms: u64,
+        /// Size (bytes).
+        bytes: u64,
+        /// Input tokens + output budget.
+        tokens: u64,
+        /// Attained-service cost.
+        cost: f64,
+        /// TTFT objective (ms).
+        slo_ttft_ms: Option<u64>,
+        /// Own queue TTL (ms).
+        ttl_ms: Option<u64>,
+    },
+    /// The writer's queued request `ticket` left its queue (dispatched, answered or cancelled).
+    FlowLeft {
+        /// The writer's ticket.
+        ticket: u64,
+    },
+}
+
+impl<'a> Entry<'a> {
+    /// The entry announcing the writer's queued request `ticket`.
+    pub fn flow_queued(ticket: u64, r: &'a kvroute::FlowReplica) -> Entry<'a> {
+        Entry::FlowQueued {
+            ticket,
+            fairness_id: &r.fairness_id,
+            priority: r.priority,
+            enqueue_ms: r.enqueue_ms,
+            bytes: r.bytes,
+            tokens: r.tokens,
+            cost: r.cost,
+            slo_ttft_ms: r.slo_ttft_ms,
+            ttl_ms: r.ttl_ms,
+        }
+    }
+
+    /// The replica a [`Entry::FlowQueued`] describes.
+    pub fn flow_replica(&self) -> Option<kvroute::FlowReplica> {
+        match *self {
+            Entry::FlowQueued {
+                fairness_id, priority, enqueue_ms, bytes, tokens, cost, slo_ttft_ms, ttl_ms, ..
+            } => Some(kvroute::FlowReplica {
+                fairness_id: fairness_id.to_owned(),
+                priority,
+                enqueue_ms,
+                bytes,
+                tokens,
+                cost,
+                slo_ttft_ms,
+                ttl_ms,
+            }),
+            _ => None,
+        }
+    }
+}
+
+fn put_opt(out: &mut Vec<u8>, v: Option<u64>) {
+    out.push(u8::from(v.is_some()));
+    out.extend_from_slice(&v.unwrap_or(0).to_le_bytes());
+}
+
+fn take_opt(b: &mut &[u8]) -> Option<Option<u64>> {
+    let has = take(b, 1)?[0];
+    let v = take_u64(b)?;
+    match has {
+        0 => Some(None),
+        1 => Some(Some(v)),
+        _ => None,
+    }
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -180,6 +259,8 @@ impl Entry<'_> {
             Entry::Metrics { .. } => 3,
             Entry::Events { .. } => 4,
             Entry::Resync { .. } => 5,
+            Entry::FlowQueued { .. } => 6,
+            Entry::FlowLeft { .. } => 7,
         }
     }
 
@@ -191,6 +272,8 @@ impl Entry<'_> {
             Entry::Metrics { endpoint, snapshot } => 2 + endpoint.len() + snapshot.len(),
             Entry::Events { endpoint, payload, .. } => 2 + endpoint.len() + 18 + payload.len(),
             Entry::Resync { endpoint, .. } => 2 + endpoint.len() + 8,
+            Entry::FlowQueued { fairness_id, .. } => 8 * 5 + 4 + 2 * 9 + 2 + fairness_id.len(),
+            Entry::FlowLeft { .. } => 8,
         };
         let mut out = Vec::with_capacity(HEADER + body_len);
         out.push(VERSION);
@@ -216,6 +299,26 @@ impl Entry<'_> {
                 put_str(&mut out, endpoint);
                 out.extend_from_slice(&now_ms.to_le_bytes());
             }
+            Entry::FlowQueued {
+                ticket,
+                fairness_id,
+                priority,
+                enqueue_ms,
+                bytes,
+                tokens,
+                cost,
+                slo_ttft_ms,
+                ttl_ms,
+            } => {
+                for v in [*ticket, *enqueue_ms, *bytes, *tokens, cost.to_bits()] {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                out.extend_from_slice(&priority.to_le_bytes());
+                put_opt(&mut out, *slo_ttft_ms);
+                put_opt(&mut out, *ttl_ms);
+                put_str(&mut out, fairness_id);
+            }
+            Entry::FlowLeft { ticket } => out.extend_from_slice(&ticket.to_le_bytes()),
         }
         out
     }
@@ -258,6 +361,39 @@ impl Entry<'_> {
                     return None;
                 }
                 Entry::Resync { endpoint, now_ms }
+            }
+            6 => {
+                let ticket = take_u64(&mut b)?;
+                let enqueue_ms = take_u64(&mut b)?;
+                let bytes = take_u64(&mut b)?;
+                let tokens = take_u64(&mut b)?;
+                let cost = f64::from_bits(take_u64(&mut b)?);
+                let p = take(&mut b, 4)?;
+                let priority = i32::from_le_bytes([p[0], p[1], p[2], p[3]]);
+                let slo_ttft_ms = take_opt(&mut b)?;
+                let ttl_ms = take_opt(&mut b)?;
+                let fairness_id = take_str(&mut b)?;
+                if !b.is_empty() {
+                    return None;
+                }
+                Entry::FlowQueued {
+                    ticket,
+                    fairness_id,
+                    priority,
+                    enqueue_ms,
+                    bytes,
+                    tokens,
+                    cost,
+                    slo_ttft_ms,
+                    ttl_ms,
+                }
+            }
+            7 => {
+                let ticket = take_u64(&mut b)?;
+                if !b.is_empty() {
+                    return None;
+                }
+                Entry::FlowLeft { ticket }
             }
             _ => return None,
         };
@@ -578,6 +714,18 @@ mod tests {
             },
             Entry::Events { endpoint: "e", seq: None, now_ms: 0, verdict: VerdictCode::Reset, payload: &[] },
             Entry::Resync { endpoint: "10.0.0.1:8000", now_ms: 5 },
+            Entry::FlowQueued {
+                ticket: 1 << 32 | 7,
+                fairness_id: "tenant-a",
+                priority: -3,
+                enqueue_ms: 123,
+                bytes: 4096,
+                tokens: 1040,
+                cost: 2064.5,
+                slo_ttft_ms: Some(250),
+                ttl_ms: None,
+            },
+            Entry::FlowLeft { ticket: 1 << 32 | 7 },
         ];
         for e in entries {
             let b = e.encode(42, 3);

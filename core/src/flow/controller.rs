@@ -21,8 +21,8 @@ use super::metrics::{FlowMetrics, Outcome};
 use super::ordering::{self, Item, NO_DEADLINE};
 use super::saturation::{self, Saturation};
 use super::{
-    Admission, BandStats, DropReason, FlowCounters, FlowStats, Rejection, Release, ReleaseOutcome, SaturationReport,
-    Ticket,
+    Admission, BandStats, DropReason, FlowCounters, FlowReplica, FlowStats, Rejection, Release, ReleaseOutcome,
+    SaturationReport, Ticket,
 };
 use crate::config::PolicyConfig;
 use crate::endpoints::EndpointTable;
@@ -71,6 +71,8 @@ struct Entry {
     slo_ttft_ms: Option<u64>,
     /// The request's own TTL (header), replacing the band's.
     ttl_ms: Option<u64>,
+    /// A replica of another router's queued request ([`FlowController::enqueue_replica`]).
+    replica: bool,
 }
 
 impl Entry {
@@ -113,6 +115,8 @@ struct Held {
     release: Release,
     fairness: Arc<str>,
     priority: i32,
+    /// Of a replica: reported, never counted.
+    replica: bool,
 }
 
 /// How a queued request leaves.
@@ -145,6 +149,9 @@ pub(crate) struct FlowController {
     /// Released or admitted requests not yet routed: (at_ms, tokens), oldest first.
     pending: VecDeque<(u64, u64)>,
     pending_tokens: u64,
+    /// Replicas released here, counted as load until their owner's request is routed
+    /// ([`FlowController::forget_replica`]) or the grace lapses: (at_ms, tokens, ticket).
+    replica_pending: Vec<(u64, u64, Ticket)>,
     next_seq: u64,
     queued: u64,
     queued_bytes: u64,
@@ -190,6 +197,7 @@ impl FlowController {
             releases: Vec::new(),
             pending: VecDeque::new(),
             pending_tokens: 0,
+            replica_pending: Vec::new(),
             next_seq: 0,
             queued: 0,
             queued_bytes: 0,
@@ -277,8 +285,13 @@ impl FlowController {
                 self.pending_tokens = self.pending_tokens.saturating_sub(t);
             }
         }
+        self.replica_pending.retain(|&(at, _, _)| at.saturating_add(PENDING_GRACE_MS) > now);
+        let replica_tokens = self.replica_pending.iter().fold(0u64, |s, &(_, t, _)| s.saturating_add(t));
         let mut sat = saturation::measure(ctx.policy, ctx.endpoints, now);
-        sat.add_pending(self.pending.len() as u64, self.pending_tokens);
+        sat.add_pending(
+            (self.pending.len() + self.replica_pending.len()) as u64,
+            self.pending_tokens.saturating_add(replica_tokens),
+        );
         sat
     }
 
@@ -318,7 +331,7 @@ impl FlowController {
     }
 
     /// Release the queued entry at `slot`: dispatched (`reason` none) or dropped.
-    fn release(&mut self, slot: u32, how: Leave, reason: Option<DropReason>, now: u64) -> Option<Entry> {
+    fn release(&mut self, slot: u32, how: Leave, reason: Option<DropReason>, now: u64) -> Option<(Ticket, Entry)> {
         let t = ticket(self.slots.get(slot as usize)?.gen, slot);
         let e = self.take(slot, how)?;
         let outcome = match reason {
@@ -327,8 +340,9 @@ impl FlowController {
         };
         let release = Release { ticket: t, outcome, waited_ms: now.saturating_sub(e.enqueue_ms) };
         let fairness = self.fairness_of(&e);
-        self.releases.push(Held { release, fairness, priority: self.bands[e.band as usize].priority });
-        Some(e)
+        let priority = self.bands[e.band as usize].priority;
+        self.releases.push(Held { release, fairness, priority, replica: e.replica });
+        Some((t, e))
     }
 
     /// Drop the queued entry at `slot` with `reason` (a release).
@@ -401,9 +415,13 @@ impl FlowController {
                     q.charge(flow, c);
                 }
             }
-            if let Some(e) = self.release(slot, Leave::Dispatched, None, now) {
+            if let Some((t, e)) = self.release(slot, Leave::Dispatched, None, now) {
                 sat.add_dispatch(e.tokens);
-                self.add_pending(now, e.tokens);
+                if e.replica {
+                    self.replica_pending.push((now, e.tokens, t));
+                } else {
+                    self.add_pending(now, e.tokens);
+                }
             }
             self.trim(b);
         }
@@ -599,6 +617,7 @@ impl FlowController {
                 priority,
                 slo_ttft_ms: req.slo_ttft_ms,
                 ttl_ms: req.queue_ttl_ms,
+                replica: false,
             },
             None,
         );
@@ -651,7 +670,8 @@ impl FlowController {
         let now = self.last_now;
         let slot = (t.0 & 0xFFFF_FFFF) as u32;
         let gen = (t.0 >> 32) as u32;
-        let held = self.slots.get(slot as usize).is_some_and(|s| s.gen == gen && s.entry.is_some());
+        let held =
+            self.slots.get(slot as usize).is_some_and(|s| s.gen == gen && s.entry.as_ref().is_some_and(|e| !e.replica));
         if held {
             let Some(e) = self.take(slot, Leave::Direct) else { return false };
             let fairness = self.fairness_of(&e);
@@ -664,7 +684,7 @@ impl FlowController {
             );
             return true;
         }
-        if let Some(i) = self.releases.iter().position(|h| h.release.ticket == t) {
+        if let Some(i) = self.releases.iter().position(|h| h.release.ticket == t && !h.replica) {
             let h = self.releases.remove(i);
             if h.release.outcome == ReleaseOutcome::Dispatched {
                 // It will not be routed.
@@ -679,10 +699,79 @@ impl FlowController {
         false
     }
 
+    /// What another router needs to hold a replica of the queued request `t` (an own request,
+    /// not a replica); `None` when `t` is not queued here.
+    pub fn replica(&self, t: Ticket) -> Option<FlowReplica> {
+        let slot = (t.0 & 0xFFFF_FFFF) as u32;
+        let s = self.slots.get(slot as usize).filter(|s| u64::from(s.gen) == t.0 >> 32)?;
+        let e = s.entry.as_ref().filter(|e| !e.replica)?;
+        Some(FlowReplica {
+            fairness_id: self.fairness_of(e).to_string(),
+            priority: e.priority,
+            enqueue_ms: e.enqueue_ms,
+            bytes: e.bytes,
+            tokens: e.tokens,
+            cost: e.cost,
+            slo_ttft_ms: e.slo_ttft_ms,
+            ttl_ms: e.ttl_ms,
+        })
+    }
+
+    /// Queue a replica of another router's queued request, unconditionally (its owner admitted
+    /// it), in arrival order here, with the owner's enqueue time for its deadlines. It is
+    /// released like any request (and reported by [`FlowController::drain`]) but never counted:
+    /// its owner counts it. A replica released to be dispatched counts as load until
+    /// [`FlowController::forget_replica`] or the grace. `None` after `shutdown`.
+    pub fn enqueue_replica(&mut self, ctx: &Ctx<'_>, r: &FlowReplica, now_ms: u64) -> Option<Ticket> {
+        if self.shutdown {
+            return None;
+        }
+        self.advance(now_ms);
+        let f = ctx.flow();
+        let b = self.band_for(f, r.priority) as usize;
+        let e = Entry {
+            seq: 0,
+            band: b as u16,
+            flow: 0,
+            enqueue_ms: r.enqueue_ms,
+            expires_ms: NO_DEADLINE,
+            bytes: r.bytes,
+            tokens: r.tokens,
+            cost: r.cost,
+            priority: r.priority,
+            slo_ttft_ms: r.slo_ttft_ms,
+            ttl_ms: r.ttl_ms,
+            replica: true,
+        };
+        Some(self.enqueue(b, &r.fairness_id, e, None))
+    }
+
+    /// The owner's request of replica `t` left its queue (dispatched, dropped or cancelled
+    /// there): remove the replica wherever it is here: queued, released and not taken, or
+    /// counted as load after its release. True when it was found; own tickets are never touched.
+    pub fn forget_replica(&mut self, t: Ticket) -> bool {
+        let slot = (t.0 & 0xFFFF_FFFF) as u32;
+        let queued = self
+            .slots
+            .get(slot as usize)
+            .is_some_and(|s| u64::from(s.gen) == t.0 >> 32 && s.entry.as_ref().is_some_and(|e| e.replica));
+        if queued {
+            return self.take(slot, Leave::Direct).is_some();
+        }
+        let before = self.releases.len() + self.replica_pending.len();
+        self.releases.retain(|h| !(h.replica && h.release.ticket == t));
+        self.replica_pending.retain(|&(_, _, tk)| tk != t);
+        self.releases.len() + self.replica_pending.len() < before
+    }
+
     /// Move the releases made so far into `out`, counting them and recording their waits.
     pub fn drain(&mut self, out: &mut Vec<Release>) {
         out.reserve(self.releases.len());
         for h in self.releases.drain(..) {
+            if h.replica {
+                out.push(h.release);
+                continue;
+            }
             let outcome = match h.release.outcome {
                 ReleaseOutcome::Dispatched => {
                     self.counters.dispatched += 1;
@@ -773,7 +862,8 @@ impl FlowController {
                     outcome: ReleaseOutcome::Dropped(reason),
                     waited_ms: now.saturating_sub(e.enqueue_ms),
                 };
-                self.releases.push(Held { release, fairness: id, priority: self.bands[b].priority });
+                let (priority, replica) = (self.bands[b].priority, e.replica);
+                self.releases.push(Held { release, fairness: id, priority, replica });
                 continue;
             }
             self.enqueue(b, &id, e, Some(slot));
@@ -806,7 +896,9 @@ impl FlowController {
             return None;
         }
         let ttl = self.expiry.peek().map(|&Reverse((at, _, _))| at);
-        let pending = self.pending.front().map(|&(at, _)| at.saturating_add(PENDING_GRACE_MS));
+        let replica = self.replica_pending.iter().map(|&(at, _, _)| at).min();
+        let pending = self.pending.front().map(|&(at, _)| at).into_iter().chain(replica).min();
+        let pending = pending.map(|at| at.saturating_add(PENDING_GRACE_MS));
         let no_endpoints = saturation::measure(ctx.policy, ctx.endpoints, self.last_now).no_endpoints();
         let empty_pool = if no_endpoints {
             let ne = ctx.flow().no_endpoints_ttl_ms;
@@ -827,8 +919,10 @@ impl FlowController {
     pub fn saturation(&self, ctx: &Ctx<'_>, now_ms: u64) -> SaturationReport {
         let now = self.last_now.max(now_ms);
         let mut s = saturation::measure(ctx.policy, ctx.endpoints, now);
-        let live = self.pending.iter().filter(|&&(at, _)| at.saturating_add(PENDING_GRACE_MS) > now);
-        let (n, tokens) = live.fold((0u64, 0u64), |(n, t), &(_, tk)| (n + 1, t.saturating_add(tk)));
+        let replicas = self.replica_pending.iter().map(|&(at, tk, _)| (at, tk));
+        let live =
+            self.pending.iter().copied().chain(replicas).filter(|&(at, _)| at.saturating_add(PENDING_GRACE_MS) > now);
+        let (n, tokens) = live.fold((0u64, 0u64), |(n, t), (_, tk)| (n + 1, t.saturating_add(tk)));
         s.add_pending(n, tokens);
         SaturationReport {
             pool: if s.no_endpoints() { 0.0 } else { s.value() },
@@ -861,7 +955,7 @@ impl FlowController {
             queued: self.queued,
             queued_bytes: self.queued_bytes,
             releases_waiting: self.releases.len() as u64,
-            pending_dispatch: self.pending.len() as u64,
+            pending_dispatch: (self.pending.len() + self.replica_pending.len()) as u64,
             shutting_down: self.shutdown,
             bands,
             counters: self.counters.clone(),
@@ -946,6 +1040,98 @@ mod tests {
             c.routed();
         }
         assert!(c.flows_total <= 2 * c.queued + COMPACT_SLACK, "{}", c.flows_total);
+    }
+
+    fn drain(c: &mut FlowController) -> Vec<Release> {
+        let mut out = Vec::new();
+        c.drain(&mut out);
+        out
+    }
+
+    #[test]
+    fn replicas_queue_in_arrival_order_count_as_load_and_are_never_counted() {
+        let (p, mut t) =
+            setup(r#"{"enabled":true,"saturation_detector":{"kind":"concurrency","max_requests_per_endpoint":1}}"#);
+        // The owner: a second controller over the same pool.
+        let mut owner = FlowController::new(p.config());
+        let mut c = FlowController::new(p.config());
+        let ctx = Ctx { policy: p.config(), endpoints: &t };
+        assert_eq!(owner.admit(&ctx, &req("x"), 10, 0), Admission::Admit);
+        owner.routed();
+        assert_eq!(c.admit(&ctx, &req("x"), 10, 0), Admission::Admit);
+        c.routed();
+        let slot = t.slot_of("10.0.0.1:1").unwrap();
+        t.get_mut(slot).unwrap().inflight = 1;
+        let ctx = Ctx { policy: p.config(), endpoints: &t };
+        let mine1 = c.admit(&ctx, &req("t"), 10, 1).ticket().unwrap();
+        let theirs = owner.admit(&ctx, &req("t"), 20, 2).ticket().unwrap();
+        let r = owner.replica(theirs).unwrap();
+        assert_eq!((r.fairness_id.as_str(), r.priority, r.enqueue_ms, r.bytes), ("t", 0, 2, 20));
+        assert!(owner.replica(Ticket(12345)).is_none());
+        let rep = c.enqueue_replica(&ctx, &r, 3).unwrap();
+        assert!(c.replica(rep).is_none(), "a replica is not described again");
+        let mine2 = c.admit(&ctx, &req("t"), 10, 4).ticket().unwrap();
+        assert_eq!(c.stats(true).queued, 3);
+        // One slot frees: own, replica, own, in arrival order (one per completion).
+        let mut order = Vec::new();
+        for now in [10, 20, 30] {
+            t.get_mut(slot).unwrap().inflight = 0;
+            let ctx = Ctx { policy: p.config(), endpoints: &t };
+            c.pump(&ctx, now);
+            let rs = drain(&mut c);
+            assert_eq!(rs.len(), 1, "{rs:?}");
+            order.push(rs[0].ticket);
+            if rs[0].ticket == rep {
+                assert_eq!(rs[0].waited_ms, 18, "the owner's enqueue time");
+                // The replica's dispatch holds the slot until its owner's request is routed.
+                c.pump(&ctx, now + 1);
+                assert!(drain(&mut c).is_empty());
+                assert!(c.forget_replica(rep));
+                assert!(!c.forget_replica(rep));
+            } else {
+                c.routed();
+            }
+            t.get_mut(slot).unwrap().inflight = 1;
+        }
+        assert_eq!(order, vec![mine1, rep, mine2]);
+        let k = c.stats(true).counters;
+        assert_eq!((k.enqueued, k.dispatched, k.cancelled), (2, 2, 0), "the replica is its owner's to count");
+        assert!(!c.forget_replica(mine1), "own tickets are never forgotten");
+    }
+
+    #[test]
+    fn a_forgotten_replica_leaves_the_queue_and_its_ttl_is_the_owners() {
+        let (p, mut t) = setup(
+            r#"{"enabled":true,"saturation_detector":{"kind":"concurrency","max_requests_per_endpoint":1},"default_request_ttl_ms":100}"#,
+        );
+        let slot = t.slot_of("10.0.0.1:1").unwrap();
+        t.get_mut(slot).unwrap().inflight = 1;
+        let ctx = Ctx { policy: p.config(), endpoints: &t };
+        let mut c = FlowController::new(p.config());
+        let r = FlowReplica {
+            fairness_id: "t".into(),
+            priority: 0,
+            enqueue_ms: 50,
+            bytes: 10,
+            tokens: 20,
+            cost: 20.0,
+            slo_ttft_ms: None,
+            ttl_ms: None,
+        };
+        let a = c.enqueue_replica(&ctx, &r, 60).unwrap();
+        let b = c.enqueue_replica(&ctx, &r, 60).unwrap();
+        assert!(!c.cancel(a), "replicas are not cancelled, they are forgotten");
+        assert!(c.forget_replica(a));
+        assert_eq!(c.stats(true).queued, 1);
+        c.pump(&ctx, 149);
+        assert!(drain(&mut c).is_empty());
+        c.pump(&ctx, 150);
+        let rs = drain(&mut c);
+        assert_eq!(rs.len(), 1);
+        assert_eq!((rs[0].ticket, rs[0].waited_ms), (b, 100));
+        assert_eq!(c.stats(true).counters.rejections.total(), 0);
+        c.shutdown(200);
+        assert!(c.enqueue_replica(&ctx, &r, 200).is_none());
     }
 
     #[test]

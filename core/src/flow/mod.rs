@@ -244,6 +244,29 @@ pub struct Release {
     pub waited_ms: u64,
 }
 
+/// A queued request as another router needs it to hold a replica: the Envoy filter runs one
+/// router per worker VM, and each VM holds replicas of the others' queued requests so that its
+/// own requests are ordered against them ([`RouterCore::enqueue_replica`](crate::RouterCore::enqueue_replica)).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowReplica {
+    /// The request's fairness id (its flow), as its owner resolved it.
+    pub fairness_id: String,
+    /// Its priority.
+    pub priority: i32,
+    /// When its owner queued it (ms): its deadlines and TTL count from here.
+    pub enqueue_ms: u64,
+    /// Its size for the byte limits.
+    pub bytes: u64,
+    /// Input tokens + output budget (the concurrency detector's token count).
+    pub tokens: u64,
+    /// Its attained-service cost (input tokens + weight · output tokens).
+    pub cost: f64,
+    /// Its TTFT objective (SLO-deadline ordering).
+    pub slo_ttft_ms: Option<u64>,
+    /// Its own queue TTL.
+    pub ttl_ms: Option<u64>,
+}
+
 /// Rejections by reason (at admission and of queued requests).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct RejectionCounts {

@@ -3,7 +3,7 @@
 
 use super::state::RouterCore;
 use crate::error::RequestError;
-use crate::flow::{Admission, Ctx, FlowStats, Release, SaturationReport, Ticket};
+use crate::flow::{Admission, Ctx, FlowReplica, FlowStats, Release, SaturationReport, Ticket};
 use crate::request::RouteRequest;
 
 impl RouterCore {
@@ -73,6 +73,37 @@ impl RouterCore {
     /// for a ticket already ended or never issued.
     pub fn cancel(&mut self, ticket: Ticket) -> bool {
         self.flow.cancel(ticket)
+    }
+
+    /// What another router needs to hold a replica of this router's queued request `ticket`
+    /// (see [`FlowReplica`]); `None` when it is not queued.
+    pub fn flow_replica(&self, ticket: Ticket) -> Option<FlowReplica> {
+        self.flow.replica(ticket)
+    }
+
+    /// Hold a replica of another router's queued request (a [`FlowReplica`] that router
+    /// described), so that this router's own requests queue behind it as behind its own: the
+    /// Envoy filter's worker VMs order their queues against each other this way. It is queued
+    /// unconditionally, in arrival order here, with the owner's enqueue time for its deadlines;
+    /// its releases appear in [`take_releases`](RouterCore::take_releases) (the caller acts only
+    /// on its own tickets) but are never counted here. Released to be dispatched, it counts as
+    /// load until [`forget_replica`](RouterCore::forget_replica) (its owner routed it) or for one
+    /// second. `None` when flow control is off or shutting down.
+    pub fn enqueue_replica(&mut self, replica: &FlowReplica, now_ms: u64) -> Option<Ticket> {
+        let RouterCore { flow, endpoints, active, .. } = self;
+        let policy = active.policy.config();
+        if !policy.flow_control.enabled {
+            return None;
+        }
+        flow.enqueue_replica(&Ctx { policy, endpoints }, replica, now_ms)
+    }
+
+    /// The owner's request of the replica `ticket` left the owner's queue (dispatched, dropped
+    /// or cancelled there): remove the replica, whether still queued, released and not taken,
+    /// or counted as load after its release. True when it was found; never touches this
+    /// router's own tickets.
+    pub fn forget_replica(&mut self, ticket: Ticket) -> bool {
+        self.flow.forget_replica(ticket)
     }
 
     /// Drop every queued request with 503 `rejected-shutting-down` (as releases) and reject

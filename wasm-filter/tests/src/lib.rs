@@ -337,3 +337,17 @@ pub fn inflight_total(page: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
         .sum()
 }
+
+/// Whether flow control holds the request of stream `s`: paused, nothing upstream, no answer.
+pub fn is_held(host: &Host, s: StreamId) -> bool {
+    host.stream(s).is_ok_and(|st| {
+        st.request().state().is_paused() && st.upstream_headers().is_none() && st.local_reply().is_none()
+    })
+}
+
+/// A flow-control answer: (status, `x-llm-d-request-dropped-reason`), when the filter answered
+/// the stream with one.
+pub fn dropped(host: &Host, s: StreamId) -> Option<(u32, String)> {
+    let l = host.stream(s).ok()?.local_reply()?;
+    Some((l.status, l.headers.get(kvroute::HEADER_DROPPED_REASON)?.to_owned()))
+}

@@ -408,3 +408,163 @@ fn the_filter_imports_nothing_whose_failure_it_cannot_handle() {
         );
     }
 }
+
+// ---- flow control's paths ----
+
+/// Two VMs with flow control on (one request per endpoint, three queued at most, a 1 s TTL):
+/// held requests are released by completions and ticks (switching the effective context,
+/// resuming with `proxy_continue_stream`), answered from the tick or another stream's callback,
+/// replicated through the shared log; clients leave while held.
+struct FlowWorld {
+    host: Host,
+    vms: Vec<VmId>,
+    streams: Vec<StreamId>,
+}
+
+const FLOW_BODY: &[u8] = br#"{"model":"m","prompt":"hello","max_tokens":16}"#;
+
+fn flow_world() -> FlowWorld {
+    let pages = Pages::default();
+    let page = prometheus(&json!({"waiting": 0, "running": 0, "kv_usage": 0.1}));
+    pages.always(A, page);
+    let mut host = host(&pages).unwrap();
+    let filter = host.load_kvroute_filter().unwrap();
+    let policy = json!({"flow_control": {
+        "enabled": true, "max_requests": 3, "default_request_ttl_ms": 1000, "shedding": {"enabled": false},
+        "saturation_detector": {"kind": "concurrency", "max_requests_per_endpoint": 1}}});
+    let cfg = plugin_config(&policy, &[(A, "decode")], &json!({}));
+    let vms = vec![host.start_vm(&filter, vm_config(&cfg)).unwrap(), host.start_vm(&filter, vm_config(&cfg)).unwrap()];
+    host.advance(Duration::from_millis(250)).unwrap();
+    FlowWorld { host, vms, streams: Vec::new() }
+}
+
+fn flow_request(w: &mut FlowWorld, run: &mut Run, vm: usize, name: &str, headers: &[(&str, &str)]) -> Option<StreamId> {
+    let vm = w.vms[vm];
+    let (s, _) = run.step(name, route(&mut w.host, vm, FLOW_BODY, headers))?;
+    w.streams.push(s);
+    Some(s)
+}
+
+/// Queue on both VMs, a client leaving, a refusal, a TTL answered from the tick, releases by a
+/// completion on each VM and by the other VM's tick.
+fn flow_exercise(w: &mut FlowWorld, run: &mut Run) {
+    let first = flow_request(w, run, 0, "routed", &[]);
+    let q1 = flow_request(w, run, 0, "queued on VM 1", &[]);
+    run.step("time", w.host.advance(Duration::from_millis(1)));
+    let q2 = flow_request(w, run, 1, "queued on VM 2", &[]);
+    if let Some(gone) = flow_request(w, run, 0, "queued, client leaves", &[]) {
+        run.step("client leaves", w.host.finish_stream(gone));
+    }
+    flow_request(w, run, 0, "queued with a TTL", &[("x-llm-d-inference-ttl", "150ms")]);
+    flow_request(w, run, 0, "refused", &[]);
+    run.step("the TTL runs out", w.host.advance(Duration::from_millis(200)));
+    for (name, s) in [("first completes", first), ("VM 1's request completes", q1), ("VM 2's completes", q2)] {
+        if let Some(s) = s {
+            run.step(name, w.host.finish_stream(s));
+        }
+        run.step("ticks", w.host.advance(Duration::from_millis(200)));
+    }
+    for vm in w.vms.clone() {
+        if let Ok(Some(f)) = w.host.failure(vm) {
+            if run.traps.is_empty() {
+                run.traps.push(format!("{vm}: {}", f.lines().next().unwrap_or("")));
+            }
+        }
+    }
+}
+
+/// With the fault removed, nothing stays held: every request went upstream or was answered
+/// once the finished ones completed and the TTL passed, and new requests are served.
+fn flow_recovers(w: &mut FlowWorld, run: &mut Run) {
+    w.host.clear_faults();
+    for i in 0..2 {
+        flow_request(w, run, i, "request after", &[]);
+    }
+    for _ in 0..3 {
+        for s in w.streams.clone() {
+            // Open and no longer held (gone upstream or answered): the request ends.
+            if w.host.stream(s).is_ok() && !is_held(&w.host, s) {
+                run.step("finish", w.host.finish_stream(s));
+            }
+        }
+        run.step("ticks after", w.host.advance(Duration::from_millis(1100)));
+    }
+    for s in w.streams.clone() {
+        if is_held(&w.host, s) {
+            run.failures.push(format!("{s:?} still held after the fault"));
+        }
+    }
+}
+
+fn flow_calls() -> BTreeMap<String, u64> {
+    let mut w = flow_world();
+    let names: Vec<String> = PROXY_IMPORTS.iter().map(|s| (*s).to_owned()).collect();
+    let before: Vec<u64> = names.iter().map(|n| w.host.hostcall_count(n)).collect();
+    let mut run = Run::default();
+    flow_exercise(&mut w, &mut run);
+    flow_recovers(&mut w, &mut run);
+    assert!(run.traps.is_empty() && run.failures.is_empty(), "the flow scenario fails without faults: {run:?}");
+    assert!(w.host.abi_violations().is_empty(), "{:#?}", &*w.host.abi_violations());
+    // Without faults the scenario takes every flow path.
+    let mut sum = BTreeMap::<&str, f64>::new();
+    for vm in w.vms.clone() {
+        let page = stats(&mut w.host, vm).unwrap();
+        for c in ["resumed", "dropped", "rejected", "cancelled", "queued"] {
+            *sum.entry(c).or_default() += stat(&page, &format!("kvroute_wasm_flow_{c}_total")).unwrap_or(0.0);
+        }
+    }
+    let want =
+        BTreeMap::from([("resumed", 2.0), ("dropped", 1.0), ("rejected", 1.0), ("cancelled", 1.0), ("queued", 4.0)]);
+    for (k, v) in &want {
+        assert!(sum[k] >= *v, "flow {k}: {} (all: {sum:?})", sum[k]);
+    }
+    names.iter().zip(before).map(|(n, b)| (n.clone(), w.host.hostcall_count(n) - b)).filter(|(_, c)| *c > 0).collect()
+}
+
+#[test]
+fn flow_control_paths_never_trap_and_never_leave_a_request_held_under_host_faults() {
+    let calls = flow_calls();
+    eprintln!("hostcalls of the flow scenario: {calls:?}");
+    for flow_import in ["proxy_set_effective_context", "proxy_continue_stream", "proxy_send_local_response"] {
+        assert!(calls.contains_key(flow_import), "the scenario does not reach {flow_import}: {calls:?}");
+    }
+    let mut traps = Vec::new();
+    let mut failures = Vec::new();
+    let mut cases = 0;
+    for import in calls.keys() {
+        for (label, fault) in STATUSES {
+            cases += 1;
+            let mut w = flow_world();
+            w.host.inject_fault(import, fault).unwrap();
+            let mut run = Run::default();
+            flow_exercise(&mut w, &mut run);
+            flow_recovers(&mut w, &mut run);
+            traps.extend(run.traps.iter().map(|t| format!("{import} = {label}: {t}")));
+            failures.extend(run.failures.iter().map(|f| format!("{import} = {label}: {f}")));
+        }
+    }
+    // Every single call of the imports the flow paths add or lean on.
+    for import in [
+        "proxy_set_effective_context",
+        "proxy_continue_stream",
+        "proxy_send_local_response",
+        "proxy_replace_header_map_value",
+        "proxy_set_tick_period_milliseconds",
+        "proxy_set_shared_data",
+    ] {
+        let n = calls.get(import).copied().unwrap_or(0);
+        for k in (1..=n).filter(|k| *k <= 40 || k % 5 == 0) {
+            cases += 1;
+            let mut w = flow_world();
+            w.host.inject_fault(import, Fault::status(Status::InternalFailure).nth(k)).unwrap();
+            let mut run = Run::default();
+            flow_exercise(&mut w, &mut run);
+            flow_recovers(&mut w, &mut run);
+            traps.extend(run.traps.iter().map(|t| format!("{import} call {k}: {t}")));
+            failures.extend(run.failures.iter().map(|f| format!("{import} call {k}: {f}")));
+        }
+    }
+    eprintln!("{cases} faulted runs of the flow-control scenario, {} traps", traps.len());
+    assert!(traps.is_empty(), "{} traps:\n{}", traps.len(), traps.join("\n"));
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
