@@ -3,7 +3,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvroute_sim::noisy::sim::{run, run_all, SimScenario, DEFAULT_SHAPE};
-use kvroute_sim::noisy::{self, End, RunRecords, RunSummary, A, B, RUNS};
+use kvroute_sim::noisy::{
+    self, End, RunRecords, RunSpec, RunSummary, A, B, BURST_EQUAL, BURST_OFF, BURST_ON, NO_BURST_OFF, NO_BURST_ON, RUNS,
+};
 use kvroute_sim::ClusterConfig;
 
 fn scenario(seed: u64) -> SimScenario {
@@ -21,8 +23,8 @@ fn noisy_neighbor_flow_control_protects_the_interactive_tenant() {
     assert_eq!(runs.len(), RUNS.len());
     let all = noisy::schedule(&s.scenario);
     // Deterministic: the same settings give the same records and dispatches.
-    let again = run(&s, &all, &RUNS[2]).unwrap();
-    let first = &runs[2];
+    let again = run(&s, &all, &BURST_ON).unwrap();
+    let first = runs.iter().find(|r| r.spec == BURST_ON).unwrap();
     assert_eq!((&first.records, &first.dispatches, &first.flow), (&again.records, &again.dispatches, &again.flow));
     for r in &runs {
         // Every request of the run ended exactly once, none left hanging.
@@ -56,7 +58,9 @@ fn noisy_neighbor_flow_control_protects_the_interactive_tenant() {
         }
     }
     let sum = summaries(&s, &runs);
-    let (quiet, off, on, equal) = (&sum[0], &sum[1], &sum[2], &sum[3]);
+    let by = |spec: &RunSpec| sum.iter().find(|r| r.spec == *spec).unwrap();
+    let (quiet, quiet_on, off, on, equal) =
+        (by(&NO_BURST_OFF), by(&NO_BURST_ON), by(&BURST_OFF), by(&BURST_ON), by(&BURST_EQUAL));
     for r in &sum {
         assert_eq!(r.inconsistent_ends, 0);
         assert_eq!(r.violations, 0, "{}: a request was refused while a sheddable one was queued", r.spec.name);
@@ -73,6 +77,9 @@ fn noisy_neighbor_flow_control_protects_the_interactive_tenant() {
     // With flow control B's p90 is less than half of what it is without (a structural margin: the
     // model gives about a third), and B is never refused, while A was held in the queue.
     assert!(b_on < b_off / 2.0, "on {b_on} vs off {b_off}");
+    // Without the burst flow control changes little for B: the pool is not saturated.
+    let b_quiet_on = quiet_on.tenant(B).burst_ttft_p90_ms;
+    assert!(b_quiet_on < 1.5 * b_quiet && b_quiet < 1.5 * b_quiet_on, "{b_quiet_on} vs {b_quiet}");
     assert_eq!(on.tenant(B).shed + on.tenant(B).dropped, 0);
     assert!(on.tenant(A).queued > 0, "the sheddable tenant was held back: {:?}", on.tenant(A));
     assert!(on.tenant(B).queued * 100 <= on.tenant(B).requests, "B seldom waits: {:?}", on.tenant(B));
@@ -106,7 +113,7 @@ fn the_report_has_every_run() {
     assert!(!svg.contains("NaN") && !svg.contains("inf"), "non-finite numbers in the chart");
     assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
     let json = noisy::results_json(&s.scenario, &sum);
-    assert_eq!(json["runs"].as_array().unwrap().len(), 4);
+    assert_eq!(json["runs"].as_array().unwrap().len(), RUNS.len());
     assert_eq!(json["targets"].as_array().unwrap().len(), 4);
     let text = noisy::targets_text(&noisy::targets(&sum));
     assert_eq!(text.lines().count(), 4, "{text}");

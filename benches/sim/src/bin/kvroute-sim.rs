@@ -60,14 +60,15 @@ POLICIES
 SCENARIO noisy-neighbor (--scenario noisy-neighbor)
   Flow control's evidence: two tenants on one pool (4 endpoints by default), kvroute routing
   every request. tenant-b sends steadily at 55% of the pool's capacity; tenant-a at 10%, and
-  10x that (100%) during the middle third of the run. Four runs on one seeded schedule: no
-  burst (flow control off), burst with flow control off, burst with flow control on (a batch =
-  priority -1, sheddable; b interactive = 10), burst with flow control on and equal priorities
-  (both standard = 0). Each request goes through the core's admit / take_releases protocol in
+  10x that (100%) during the middle third of the run. Five runs on one seeded schedule: no
+  burst (flow control off, and on), burst with flow control off, burst with flow control on (a
+  batch = priority -1, sheddable; b interactive = 10), burst with flow control on and equal
+  priorities (both standard = 0). Each request goes through the core's admit / take_releases protocol in
   virtual time (releases after arrivals, completions, metrics pushes and at next_flow_deadline).
   Prints B's TTFT, A's throughput and sheds, the dispatch shares while saturated, the issue's
   targets; writes kvroute-sim-noisy-neighbor.svg. --flow-control JSON replaces the flow-control
-  section of the flow-control runs (default: utilization detector, queue_depth_threshold 1).
+  section of the flow-control runs (default: the utilization detector at llm-d's thresholds and
+  a saturation ceiling of 0.2 on the batch band).
   Honoured: --endpoints, --duration-s, --seed, --prefill-tps, --tpot-ms, --cache-tokens,
   --metrics-interval-ms, --svg, --no-svg, --json, --quick (20 s).
 

@@ -328,7 +328,7 @@ pub fn run(s: &SimScenario, all: &[Arrival], spec: &RunSpec) -> Result<RunRecord
     })
 }
 
-/// Simulate the scenario's four runs ([`RUNS`]) on one seeded schedule; `progress` gets each run
+/// Simulate the scenario's runs ([`RUNS`]) on one seeded schedule; `progress` gets each run
 /// when it is done.
 pub fn run_all(s: &SimScenario, progress: &mut dyn FnMut(&RunRecords)) -> Result<Vec<RunRecords>, SimError> {
     let all = schedule(&s.scenario);
