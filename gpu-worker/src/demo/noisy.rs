@@ -1,0 +1,618 @@
+//! `kvroute-worker demo --scenario noisy-neighbor`: flow control on real workers.
+//!
+//! The scenario is the simulator toolkit's (`kvroute_sim::noisy`): tenant B steady at 55% of
+//! the fleet's measured capacity, tenant A at 10% bursting 10x during the middle third, five
+//! runs on one seeded schedule (no burst with flow control off and on; burst with flow control
+//! off; on, with A `batch` and B `interactive`; on, with equal priorities). Each run starts a fresh fleet and a fresh kvroute
+//! router (approximate index, the workers' scraped metrics), and replays the schedule open-loop
+//! on tokio: every request is admitted through the demo's [`Gate`] (the core's admit /
+//! take_releases / cancel protocol), routed by `Router::route_http` when the gate lets it go,
+//! streamed to its worker, completed with `Router::complete`. The demo decides nothing: with
+//! flow control off the same calls are made and the core admits everything (and routing sheds
+//! sheddable requests at saturation, as before).
+//!
+//! TTFT is measured by the client from the request's scheduled arrival (so it includes any time
+//! held in the queue) to its first streamed token. The capacity is calibrated on the machine
+//! first (`calibrate`), so the burst saturates the fleet whatever the machine's speed.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use kvroute::{unix_time_ms, EndpointSpec, Policy, Role, Router};
+use kvroute_sim::noisy::{
+    self, Arrival, End, RequestRecord, RunRecords, RunSpec, RunSummary, ScenarioConfig, Shape, RUNS, TENANTS,
+};
+use kvroute_sim::Span;
+use tokio::sync::Notify;
+
+use super::calibrate::{self, CalibrationShape, CostModel};
+use super::fleet::{self, Fleet, FleetOptions};
+use super::gate::{Gate, Gated};
+use super::runner::{self, PolicyKind, Prepared, WorkerAddrs};
+use super::workload::{DemoRequest, Rng};
+use super::{http, write_file, DemoArgs};
+
+/// Default chart path of the scenario.
+pub const DEFAULT_OUT: &str = "kvroute-noisy-neighbor.svg";
+/// Default length of the schedule, seconds.
+pub const DEFAULT_DURATION_S: f64 = 45.0;
+/// Length of the quick schedule, seconds.
+pub const QUICK_DURATION_S: f64 = 3.0;
+
+/// The flow-control section of the flow-control runs on the reference workers: the concurrency
+/// detector (the router's own in-flight count per worker; a CPU worker computes one request at a
+/// time at full speed and admits up to 64 at once, so its `waiting` gauge stays at 0 long past
+/// saturation and the utilization detector would see nothing) saturated at 4 requests in flight
+/// per worker, and a ceiling of 0.5 on the sheddable band (priority -1): batch requests dispatch
+/// only while the workers have fewer than 2 in flight on average (less than one waiting behind
+/// the one computing), the simulator's rule in this detector's units. Everything else at its
+/// default (round-robin fairness, FCFS, 30 s TTL, shedding before queueing).
+pub fn default_flow() -> serde_json::Value {
+    serde_json::json!({
+        "saturation_detector": {"kind": "concurrency", "max_requests_per_endpoint": 4},
+        "priority_bands": [{"priority": -1, "saturation_ceiling": 0.5}],
+    })
+}
+
+struct Settings {
+    workers: u32,
+    duration_s: f64,
+    seed: u64,
+    block_size: u32,
+    kv_blocks: u32,
+    shape: Shape,
+    calibration: CalibrationShape,
+    quick: bool,
+    flow: serde_json::Value,
+    out: PathBuf,
+    json: Option<PathBuf>,
+    scrape_interval: Duration,
+    progress_interval: Duration,
+    drain_timeout: Duration,
+}
+
+fn settings(a: &DemoArgs) -> anyhow::Result<Settings> {
+    let q = a.quick;
+    let cores = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get) as u32;
+    let workers = a.workers.unwrap_or(if q { 2 } else { cores.clamp(2, 4) });
+    anyhow::ensure!((1..=64).contains(&workers), "--workers must be within 1..=64 (got {workers})");
+    let duration_s = a.duration_s.unwrap_or(if q { QUICK_DURATION_S } else { DEFAULT_DURATION_S });
+    anyhow::ensure!(
+        (1.0..=3600.0).contains(&duration_s),
+        "--duration-s must be a number of seconds in [1, 3600] (got {duration_s})"
+    );
+    anyhow::ensure!(a.requests.is_none(), "--requests does not apply to --scenario noisy-neighbor (use --duration-s)");
+    anyhow::ensure!((1..=1024).contains(&a.block_size), "--block-size must be within 1..=1024");
+    let kv_tokens = a.kv_tokens.unwrap_or(if q { 2048 } else { 16_384 });
+    let kv_blocks = kv_tokens / a.block_size;
+    anyhow::ensure!(kv_blocks >= 8, "--kv-tokens must hold at least 8 blocks of --block-size tokens");
+    let shape = if q {
+        Shape { system_tokens: 64, user_tokens: Span::new(16, 48), output_tokens: Span::new(2, 4) }
+    } else {
+        Shape { system_tokens: 512, user_tokens: Span::new(256, 768), output_tokens: Span::new(8, 24) }
+    };
+    let calibration = if q {
+        CalibrationShape { short: 32, deep: 64, decode: 4, reps: 1 }
+    } else {
+        CalibrationShape { short: 256, deep: 1024, decode: 16, reps: 3 }
+    };
+    let flow = match &a.flow_control {
+        Some(text) => {
+            let v: serde_json::Value = serde_json::from_str(text).context("--flow-control: not JSON")?;
+            anyhow::ensure!(v.is_object(), "--flow-control must be a JSON object (the flow_control section)");
+            v
+        }
+        None => default_flow(),
+    };
+    Ok(Settings {
+        workers,
+        duration_s,
+        seed: a.seed,
+        block_size: a.block_size,
+        kv_blocks,
+        shape,
+        calibration,
+        quick: q,
+        flow,
+        out: a.out.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_OUT)),
+        json: a.json.clone(),
+        scrape_interval: Duration::from_millis(100),
+        progress_interval: Duration::from_secs(if q { 1 } else { 5 }),
+        // Past the last arrival: the queue's TTL (30 s) bounds how long flow control holds a
+        // request, the backlog without it drains at the fleet's spare capacity.
+        drain_timeout: Duration::from_secs(if q { 20 } else { 90 }),
+    })
+}
+
+/// The fleet's capacity for the scenario's mean request, requests per second: the tenant's
+/// system prompt cached (in whole blocks), the message and the output computed.
+fn capacity(s: &Settings, cost: &CostModel) -> f64 {
+    let sys = s.shape.system_tokens;
+    let prompt = sys + s.shape.mean_user_tokens().round() as u32;
+    let cached = (sys / s.block_size) * s.block_size;
+    let output = s.shape.mean_output_tokens().round() as u32;
+    let per_request = cost.request_cost(prompt, cached.min(prompt.saturating_sub(1)), output);
+    f64::from(s.workers) / per_request.max(1e-6)
+}
+
+/// Every request's body, by id: the tenant's system prompt (its own seeded token ids) then the
+/// request's own message (seeded by its id, so it is the same in every run).
+fn prepare(all: &[Arrival], shape: &Shape, vocab: u32, seed: u64, model: &str) -> Vec<Prepared> {
+    let hi = vocab.max(20) - 1;
+    let systems: Vec<Vec<u32>> = (0..TENANTS.len())
+        .map(|t| {
+            let mut rng = Rng::new(seed, 100 + t as u64);
+            (0..shape.system_tokens).map(|_| rng.range(16, hi)).collect()
+        })
+        .collect();
+    let reqs: Vec<DemoRequest> = all
+        .iter()
+        .map(|a| {
+            let mut rng = Rng::new(seed, 1_000_000 + a.id as u64);
+            let mut prompt = systems[a.tenant].clone();
+            prompt.extend((0..a.user_tokens).map(|_| rng.range(16, hi)));
+            DemoRequest {
+                index: a.id,
+                at_s: a.t_s,
+                session: Arc::from(format!("nn-{}", a.id)),
+                prompt: Arc::from(prompt),
+                max_tokens: a.output_tokens,
+            }
+        })
+        .collect();
+    let mut prepared = runner::prepare(&reqs, model);
+    for p in &mut prepared {
+        p.request_id = Arc::from(format!("nn-{}", p.req.index));
+    }
+    prepared
+}
+
+/// One run's shared state.
+struct Run {
+    spec: RunSpec,
+    arrivals: Vec<Arrival>,
+    prepared: Arc<Vec<Prepared>>,
+    router: Arc<Router>,
+    gate: Arc<Gate>,
+    ids: Vec<String>,
+    workers: Vec<WorkerAddrs>,
+    records: Mutex<Vec<RequestRecord>>,
+    start: Instant,
+    ended: AtomicUsize,
+    inflight: AtomicUsize,
+}
+
+impl Run {
+    fn finish(&self, k: usize, queued_ms: Option<f64>, end: End) {
+        let mut r = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(rec) = r.get_mut(k) {
+            if queued_ms.is_some() {
+                rec.queued_ms = queued_ms;
+            }
+            rec.finish(end);
+        }
+        self.ended.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// B's TTFT p90 so far, ms.
+    fn b_p90(&self) -> f64 {
+        let r = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut v: Vec<f64> = r
+            .iter()
+            .filter(|x| x.arrival.tenant == noisy::B)
+            .filter_map(|x| match x.end {
+                End::Completed { ttft_ms, .. } => Some(ttft_ms),
+                _ => None,
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        super::report::percentile(&v, 0.9)
+    }
+}
+
+/// One request: wait for its arrival, pass the gate, route, stream, complete.
+async fn request(run: Arc<Run>, k: usize) {
+    let a = run.arrivals[k];
+    let p = &run.prepared[a.id];
+    let due = run.start + Duration::from_secs_f64(a.t_s.max(0.0));
+    tokio::time::sleep_until(due.into()).await;
+    let (fairness, objective) = (TENANTS[a.tenant], run.spec.priorities.objective(a.tenant));
+    let headers = [
+        ("x-request-id", &*p.request_id),
+        ("x-llm-d-inference-fairness-id", fairness),
+        ("x-llm-d-inference-objective", objective),
+    ];
+    // Only for the report (who was held while someone was refused).
+    let priority = run.spec.priorities.priority(a.tenant);
+    let waited = match run.gate.admit(&p.body, &headers, a.tenant, priority).await {
+        Ok(Gated::Go { waited_ms }) => waited_ms,
+        Ok(Gated::Refused { rejection, waited_ms, sheddable_queued }) => {
+            let end = End::Rejected {
+                status: rejection.status,
+                reason: rejection.reason.as_str().to_owned(),
+                queued: waited_ms.is_some(),
+                sheddable_queued,
+            };
+            run.finish(k, waited_ms, end);
+            return;
+        }
+        Ok(Gated::Lost) => {
+            run.finish(k, None, End::Failed { error: "the gate ended without releasing it".into() });
+            return;
+        }
+        Err(e) => {
+            run.finish(k, None, End::Failed { error: format!("admit: {e}") });
+            return;
+        }
+    };
+    let d = match run.router.route_http(&p.body, headers, unix_time_ms()) {
+        Ok(d) => d,
+        Err(e) => {
+            run.finish(k, waited, End::Failed { error: format!("route: {e}") });
+            return;
+        }
+    };
+    let Some(w) = d.endpoint().and_then(|e| run.ids.iter().position(|id| id == e)) else {
+        let _ = run.router.complete(&d.request_id);
+        let end = match d.shed() {
+            Some(shed) => End::Rejected {
+                status: shed.status,
+                reason: "shed-by-routing".into(),
+                queued: waited.is_some(),
+                sheddable_queued: 0,
+            },
+            None => End::Failed { error: "routed to no known worker".into() },
+        };
+        run.finish(k, waited, end);
+        return;
+    };
+    run.gate.dispatched(a.tenant, waited.is_some());
+    run.inflight.fetch_add(1, Ordering::Relaxed);
+    let (addr, prepared, id) = (run.workers[w].http, run.prepared.clone(), a.id);
+    let sent = tokio::task::spawn_blocking(move || runner::send(addr, &prepared[id], due)).await;
+    run.inflight.fetch_sub(1, Ordering::Relaxed);
+    let _ = run.router.complete(&d.request_id);
+    // A completion: a dispatch opportunity.
+    run.gate.wake();
+    let end = match sent {
+        Ok(o) => match (o.error, o.ttft_ms, o.e2e_ms) {
+            (None, Some(ttft_ms), Some(e2e_ms)) => End::Completed { ttft_ms, e2e_ms },
+            (Some(e), _, _) => End::Failed { error: e },
+            _ => End::Failed { error: "no token".into() },
+        },
+        Err(e) => End::Failed { error: format!("sender: {e}") },
+    };
+    run.finish(k, waited, end);
+}
+
+/// Scrape every worker's metrics into the router (each scrape is a dispatch opportunity) and
+/// print progress, until `stop`.
+fn scraper(
+    run: Arc<Run>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    s_interval: Duration,
+    progress: Duration,
+    verbose: bool,
+) {
+    let mut next_progress = run.start + progress;
+    let mut errors = 0u64;
+    while !stop.load(Ordering::Acquire) {
+        let tick = Instant::now();
+        for (w, id) in run.workers.iter().zip(&run.ids) {
+            match http::get(w.http, "/metrics", Duration::from_secs(2)) {
+                Ok(page) => {
+                    let text = String::from_utf8_lossy(&page);
+                    if run.router.update_metrics_from_prometheus(id, &text, unix_time_ms()).is_err() {
+                        errors += 1;
+                    }
+                }
+                Err(_) => errors += 1,
+            }
+        }
+        run.gate.wake();
+        if verbose && Instant::now() >= next_progress {
+            next_progress += progress;
+            let q = run.gate.queued();
+            #[allow(clippy::print_stdout)]
+            {
+                println!(
+                    "  [{:>26}] {:>5.1}s  ended {:>4}/{}  queued A {:>3} B {:>3}  in flight {:>3}  B TTFT p90 so far {:>7.1} ms",
+                    run.spec.name,
+                    run.start.elapsed().as_secs_f64(),
+                    run.ended.load(Ordering::Acquire),
+                    run.arrivals.len(),
+                    q[noisy::A],
+                    q[noisy::B],
+                    run.inflight.load(Ordering::Relaxed),
+                    run.b_p90(),
+                );
+            }
+        }
+        let spent = tick.elapsed();
+        if spent < s_interval {
+            std::thread::sleep(s_interval - spent);
+        }
+    }
+    if errors > 0 {
+        #[allow(clippy::print_stdout)]
+        {
+            println!("   note: {errors} metric scrapes failed");
+        }
+    }
+}
+
+/// Run one of the scenario's runs on a fresh fleet.
+fn run_one(
+    s: &Settings,
+    spec: &RunSpec,
+    all: &[Arrival],
+    prepared: &Arc<Vec<Prepared>>,
+    fleet_opts: &FleetOptions,
+) -> anyhow::Result<RunRecords> {
+    let wall = Instant::now();
+    let fleet = Fleet::start(fleet_opts).with_context(|| format!("starting the workers for {}", spec.name))?;
+    calibrate::wait_ready(fleet.addrs(), Duration::from_secs(30))?;
+    let pool_tokens = u64::from(s.kv_blocks) * u64::from(s.block_size);
+    let base = runner::kvroute_policy_json(PolicyKind::KvrouteApprox, s.block_size, pool_tokens);
+    let doc = noisy::policy_json(base, &s.flow, spec.flow_control);
+    let policy = Policy::from_json(&doc.to_string()).context("building the scenario's kvroute policy")?;
+    let router = Arc::new(Router::new(policy));
+    let ids: Vec<String> = fleet.addrs().iter().map(|w| w.http.to_string()).collect();
+    for id in &ids {
+        router.upsert_endpoint(EndpointSpec::new(id.clone(), Role::Both)).context("registering a worker")?;
+    }
+    let arrivals = noisy::arrivals_of(all, spec);
+    let start = Instant::now() + Duration::from_millis(300);
+    let records = arrivals.iter().map(|a| RequestRecord::new(*a, spec.priorities.priority(a.tenant))).collect();
+    let run = Arc::new(Run {
+        spec: *spec,
+        arrivals,
+        prepared: prepared.clone(),
+        router: router.clone(),
+        gate: Arc::new(Gate::new(router.clone(), start)),
+        ids,
+        workers: fleet.addrs().to_vec(),
+        records: Mutex::new(records),
+        start,
+        ended: AtomicUsize::new(0),
+        inflight: AtomicUsize::new(0),
+    });
+    let stop_scraper = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let scrape = {
+        let (run, stop) = (run.clone(), stop_scraper.clone());
+        let (interval, progress, verbose) = (s.scrape_interval, s.progress_interval, true);
+        std::thread::Builder::new()
+            .name("noisy-scrape".into())
+            .spawn(move || scraper(run, stop, interval, progress, verbose))
+            .context("spawning the metrics scraper")?
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(2048)
+        .enable_all()
+        .build()
+        .context("starting the run's runtime")?;
+    let last_arrival = run.arrivals.last().map_or(0.0, |a| a.t_s);
+    let deadline = start + Duration::from_secs_f64(last_arrival) + s.drain_timeout;
+    let mut notes = Vec::new();
+    let finished_all = rt.block_on(async {
+        let stop = Arc::new(Notify::new());
+        let dispatcher = tokio::spawn(run.gate.clone().dispatcher(stop.clone()));
+        let mut tasks = tokio::task::JoinSet::new();
+        for k in 0..run.arrivals.len() {
+            tasks.spawn(request(run.clone(), k));
+        }
+        let all_done = tokio::time::timeout_at(deadline.into(), async { while tasks.join_next().await.is_some() {} })
+            .await
+            .is_ok();
+        // End the queue: whatever is still held is answered (503 rejected-shutting-down).
+        stop.notify_one();
+        let _ = dispatcher.await;
+        if !all_done {
+            let _ = tokio::time::timeout(Duration::from_secs(2), async { while tasks.join_next().await.is_some() {} })
+                .await;
+            tasks.abort_all();
+        }
+        all_done
+    });
+    stop_scraper.store(true, Ordering::Release);
+    let _ = scrape.join();
+    // Streams still open (only after the drain timeout) are left to the workers' shutdown.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    fleet.stop();
+    if !finished_all {
+        notes.push(format!("gave up waiting {:.0} s after the last arrival", s.drain_timeout.as_secs_f64()));
+    }
+    let (dispatches, unknown) = run.gate.take_dispatches();
+    if unknown > 0 {
+        notes.push(format!("{unknown} releases of tickets the gate did not hold"));
+    }
+    let records = std::mem::take(&mut *run.records.lock().unwrap_or_else(PoisonError::into_inner));
+    let flow = spec.flow_control.then(|| router.flow_stats().counters);
+    Ok(RunRecords { spec: *spec, records, dispatches, flow, wall_s: wall.elapsed().as_secs_f64(), notes })
+}
+
+#[allow(clippy::print_stdout)]
+fn print_run(cfg: &ScenarioConfig, r: &RunRecords) {
+    let s = RunSummary::new(cfg, r);
+    let (a, b) = (s.tenant(noisy::A), s.tenant(noisy::B));
+    println!(
+        "   {}: {} requests ended in {:.1} s; B TTFT during the burst p50 {:.1} ms, p90 {:.1} ms ({}/{} done); A {} \
+         done, {} shed, {} dropped",
+        r.spec.name,
+        r.records.len(),
+        r.wall_s,
+        b.burst_ttft_p50_ms,
+        b.burst_ttft_p90_ms,
+        b.completed,
+        b.requests,
+        a.completed,
+        a.shed,
+        a.dropped
+    );
+    if let Some(c) = &r.flow {
+        println!(
+            "   flow control: {} admitted at once, {} queued, {} dispatched from the queue, {} shed, {} refused or \
+             dropped in all",
+            c.admitted,
+            c.enqueued,
+            c.dispatched,
+            c.shed,
+            c.rejections.total()
+        );
+    }
+    for n in &r.notes {
+        println!("   note: {n}");
+    }
+    let failed = r.records.iter().find_map(|x| match &x.end {
+        End::Failed { error } => Some(error.clone()),
+        _ => None,
+    });
+    if let Some(e) = failed {
+        println!("   first failure: {e}");
+    }
+}
+
+/// Run the scenario: calibrate, the runs, the report, the chart (and JSON).
+#[allow(clippy::print_stdout)]
+pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
+    let total = Instant::now();
+    let s = settings(args)?;
+    let fleet_opts = FleetOptions {
+        workers: s.workers,
+        block_size: s.block_size,
+        kv_blocks: s.kv_blocks,
+        max_model_len: (s.shape.system_tokens + s.shape.user_tokens.max + s.shape.output_tokens.max) as usize + 16,
+        model: fleet::model(s.quick),
+    };
+    println!("kvroute demo --scenario noisy-neighbor: {} workers (role both) in this process on loopback", s.workers);
+    println!("  {}", fleet::describe(&fleet_opts));
+    println!("  {}", super::cpu_note(s.workers));
+
+    // 1. Calibrate on a fresh fleet.
+    let fleet = Fleet::start(&fleet_opts).context("starting the workers")?;
+    let model = fleet.model_name().to_owned();
+    let vocab = fleet.vocab_size();
+    calibrate::wait_ready(fleet.addrs(), Duration::from_secs(30))?;
+    let cost = calibrate::calibrate(fleet.addrs(), &model, vocab, s.calibration, s.seed);
+    fleet.stop();
+    let cost = cost.context("calibrating the fleet")?;
+    let capacity = capacity(&s, &cost);
+    println!(
+        "calibration ({:.1} s, all workers at once): overhead {:.1} ms/request, prefill {:.3} ms/token (depth {:.0}) to \
+         {:.3} ms/token (depth {:.0}), decode {:.2} ms/token",
+        cost.took_s,
+        cost.overhead_s * 1e3,
+        cost.prefill_shallow_s * 1e3,
+        cost.depths.0,
+        cost.prefill_deep_s * 1e3,
+        cost.depths.1,
+        cost.decode_s * 1e3
+    );
+    println!(
+        "capacity: a request of the scenario's mean size (system prompt cached) costs {:.1} ms of worker time, so the {} \
+         workers serve {capacity:.2} req/s",
+        f64::from(s.workers) / capacity * 1e3,
+        s.workers
+    );
+
+    // 2. The schedule.
+    let cfg = ScenarioConfig::at_capacity(capacity, s.duration_s, s.shape, s.seed);
+    cfg.validate()?;
+    let all = noisy::schedule(&cfg);
+    println!("schedule: {}", cfg.describe());
+    println!(
+        "  {} requests with the burst ({} without); offered load {:.0}% of capacity without the burst, {:.0}% during it",
+        all.len(),
+        all.iter().filter(|a| !a.burst).count(),
+        (noisy::A_LOAD + noisy::B_LOAD) * 100.0,
+        (noisy::A_LOAD * noisy::BURST_FACTOR + noisy::B_LOAD) * 100.0
+    );
+    println!("flow control (flow-on runs): {}", s.flow);
+    let prepared = Arc::new(prepare(&all, &s.shape, vocab, s.seed, &model));
+
+    // 3. The runs, each on a fresh fleet.
+    let mut runs = Vec::new();
+    for spec in &RUNS {
+        println!(
+            "\n== {}: fresh fleet, {} requests, flow control {}, A {} / B {}",
+            spec.name,
+            noisy::arrivals_of(&all, spec).len(),
+            if spec.flow_control { "on" } else { "off" },
+            spec.priorities.objective(noisy::A),
+            spec.priorities.objective(noisy::B)
+        );
+        let r = run_one(&s, spec, &all, &prepared, &fleet_opts).with_context(|| format!("running {}", spec.name))?;
+        print_run(&cfg, &r);
+        runs.push(r);
+    }
+
+    // 4. Results.
+    let summaries: Vec<RunSummary> = runs.iter().map(|r| RunSummary::new(&cfg, r)).collect();
+    println!("\n## Results ({} workers, {capacity:.2} req/s capacity, seed {})\n", s.workers, s.seed);
+    print!("{}", noisy::table(&summaries));
+    println!(
+        "B TTFT = tenant B's requests arriving during the burst (client-side, from the scheduled arrival: queue time \
+         included; p90 all = the whole run); A req/s in burst = A's completions during the burst per second; shed = \
+         refused at admission (flow control's shedding, or routing's with flow control off), dropped = dropped from \
+         the queue (TTL)."
+    );
+    let targets = noisy::targets(&summaries);
+    println!();
+    print!("{}", noisy::targets_text(&targets));
+    let ratio_on = noisy::b_ratio(&summaries, &noisy::BURST_ON, &noisy::NO_BURST_ON);
+    let ratio_on_off = noisy::b_ratio(&summaries, &noisy::BURST_ON, &noisy::NO_BURST_OFF);
+    let ratio_off = noisy::b_ratio(&summaries, &noisy::BURST_OFF, &noisy::NO_BURST_OFF);
+    if let (Some(on), Some(on_off), Some(off)) = (ratio_on, ratio_on_off, ratio_off) {
+        println!(
+            "\nB's TTFT p90 during the burst / without it: flow control off {off:.2}x; on {on:.2}x (vs the no-burst run \
+             with flow control off: {on_off:.2}x)"
+        );
+    }
+    let title = "kvroute demo: noisy neighbor on the reference workers, flow control off and on";
+    let subtitle = format!(
+        "{} workers, {capacity:.1} req/s measured capacity; B 55%, A 10% bursting 10x; seed {}{}",
+        s.workers,
+        s.seed,
+        ratio_on.map_or(String::new(), |r| format!("; B p90 with flow control = {r:.2}x its no-burst value"))
+    );
+    write_file(&s.out, noisy::chart::render(&cfg, &summaries, title, &subtitle).as_bytes())?;
+    println!("chart: {}", s.out.display());
+    if let Some(path) = &s.json {
+        let mut doc = noisy::results_json(&cfg, &summaries);
+        doc["workers"] = serde_json::json!(s.workers);
+        doc["capacity_req_per_s"] = serde_json::json!(capacity);
+        doc["flow_control"] = s.flow.clone();
+        doc["cost_model"] = serde_json::json!({
+            "overhead_ms": cost.overhead_s * 1e3,
+            "prefill_ms_per_token_shallow": cost.prefill_shallow_s * 1e3,
+            "prefill_ms_per_token_deep": cost.prefill_deep_s * 1e3,
+            "decode_ms_per_token": cost.decode_s * 1e3,
+        });
+        doc["ends"] = serde_json::json!(runs
+            .iter()
+            .map(|r| serde_json::json!({
+                "run": r.spec.name,
+                "requests": r.records.len(),
+                "ended_once": r.records.iter().filter(|x| x.ends == 1).count(),
+                "unfinished": r.records.iter().filter(|x| matches!(x.end, End::Unfinished)).count(),
+                "completed": r.records.iter().filter(|x| matches!(x.end, End::Completed { .. })).count(),
+                "rejected_at_admission": r.records.iter().filter(|x| matches!(x.end, End::Rejected { queued: false, .. })).count(),
+                "dropped_from_queue": r.records.iter().filter(|x| matches!(x.end, End::Rejected { queued: true, .. })).count(),
+                "queued": r.records.iter().filter(|x| x.queued_ms.is_some()).count(),
+                "failed": r.records.iter().filter(|x| matches!(x.end, End::Failed { .. })).count(),
+                "cancelled": r.records.iter().filter(|x| matches!(x.end, End::Cancelled)).count(),
+                "dispatches": r.dispatches.len(),
+                "flow": r.flow,
+                "notes": r.notes,
+            }))
+            .collect::<Vec<_>>());
+        write_file(path, serde_json::to_string_pretty(&doc).unwrap_or_default().as_bytes())?;
+        println!("json: {}", path.display());
+    }
+    println!("total wall time {:.1} s", total.elapsed().as_secs_f64());
+    Ok(())
+}
