@@ -117,7 +117,7 @@ pub struct DemoArgs {
     #[arg(long, value_enum, default_value_t = LoadBasis::RoundRobin)]
     pub load_basis: LoadBasis,
     /// Length of the arrival schedule of each policy (run), seconds [default: 40, quick: 2.5;
-    /// noisy-neighbor: 45, quick: 3].
+    /// noisy-neighbor: 60, quick: 3].
     #[arg(long, value_name = "SECONDS", conflicts_with = "requests")]
     pub duration_s: Option<f64>,
     /// Number of requests of each policy (instead of --duration-s).
@@ -136,7 +136,7 @@ pub struct DemoArgs {
     pub out: Option<PathBuf>,
     /// noisy-neighbor: the flow_control section of the flow-control runs, as JSON (`enabled` is
     /// set per run) [default: the concurrency detector at 4 per worker, the batch band's ceiling
-    /// 0.5].
+    /// 0.25].
     #[arg(long, value_name = "JSON")]
     pub flow_control: Option<String>,
     /// Also write the results as JSON.
@@ -159,6 +159,11 @@ pub struct DemoArgs {
     /// Concurrent agent conversations per tenant [default: 3; quick: 2].
     #[arg(long, value_name = "N")]
     pub agents: Option<u32>,
+    /// noisy-neighbor: only these runs, comma-separated, by number (1 no burst / flow off, 2 no
+    /// burst / flow on, 3 burst / flow off, 4 burst / flow on, 5 burst / flow on / equal
+    /// priority) [default: all]; targets whose runs are missing are not judged.
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub runs: Vec<usize>,
     /// Tiny everything (model, workload, run): for tests and CI, well under 20 s.
     #[arg(long)]
     pub quick: bool,

@@ -38,22 +38,24 @@ use super::{http, write_file, DemoArgs};
 /// Default chart path of the scenario.
 pub const DEFAULT_OUT: &str = "kvroute-noisy-neighbor.svg";
 /// Default length of the schedule, seconds.
-pub const DEFAULT_DURATION_S: f64 = 45.0;
+pub const DEFAULT_DURATION_S: f64 = 60.0;
 /// Length of the quick schedule, seconds.
 pub const QUICK_DURATION_S: f64 = 3.0;
 
 /// The flow-control section of the flow-control runs on the reference workers: the concurrency
-/// detector (the router's own in-flight count per worker; a CPU worker computes one request at a
-/// time at full speed and admits up to 64 at once, so its `waiting` gauge stays at 0 long past
-/// saturation and the utilization detector would see nothing) saturated at 4 requests in flight
-/// per worker, and a ceiling of 0.5 on the sheddable band (priority -1): batch requests dispatch
-/// only while the workers have fewer than 2 in flight on average (less than one waiting behind
-/// the one computing), the simulator's rule in this detector's units. Everything else at its
-/// default (round-robin fairness, FCFS, 30 s TTL, shedding before queueing).
+/// detector (the router's own in-flight count per worker: a CPU worker admits up to 64 requests
+/// at once, so its `waiting` gauge stays at 0 long past saturation and the utilization detector
+/// would see nothing) saturated at 4 requests in flight per worker, and a ceiling of 0.25 on the
+/// sheddable band (priority -1): batch requests dispatch only while the workers have fewer than
+/// one request in flight on average, i.e. only into capacity that would otherwise idle (the
+/// simulator's rule, in this detector's units: a simulated engine prefills one request at a time
+/// and the next one waits, while a reference worker computes everything it holds in the same
+/// steps, so a second request in flight already slows the first). Everything else at its default
+/// (round-robin fairness, FCFS, 30 s TTL, shedding before queueing).
 pub fn default_flow() -> serde_json::Value {
     serde_json::json!({
         "saturation_detector": {"kind": "concurrency", "max_requests_per_endpoint": 4},
-        "priority_bands": [{"priority": -1, "saturation_ceiling": 0.5}],
+        "priority_bands": [{"priority": -1, "saturation_ceiling": 0.25}],
     })
 }
 
@@ -69,6 +71,7 @@ struct Settings {
     flow: serde_json::Value,
     out: PathBuf,
     json: Option<PathBuf>,
+    runs: Vec<usize>,
     scrape_interval: Duration,
     progress_interval: Duration,
     drain_timeout: Duration,
@@ -86,6 +89,11 @@ fn settings(a: &DemoArgs) -> anyhow::Result<Settings> {
     );
     anyhow::ensure!(a.requests.is_none(), "--requests does not apply to --scenario noisy-neighbor (use --duration-s)");
     anyhow::ensure!((1..=1024).contains(&a.block_size), "--block-size must be within 1..=1024");
+    anyhow::ensure!(
+        a.runs.iter().all(|r| (1..=RUNS.len()).contains(r)),
+        "--runs takes run numbers 1 to {}",
+        RUNS.len()
+    );
     let kv_tokens = a.kv_tokens.unwrap_or(if q { 2048 } else { 16_384 });
     let kv_blocks = kv_tokens / a.block_size;
     anyhow::ensure!(kv_blocks >= 8, "--kv-tokens must hold at least 8 blocks of --block-size tokens");
@@ -97,7 +105,9 @@ fn settings(a: &DemoArgs) -> anyhow::Result<Settings> {
     let calibration = if q {
         CalibrationShape { short: 32, deep: 64, decode: 4, reps: 1 }
     } else {
-        CalibrationShape { short: 256, deep: 1024, decode: 16, reps: 3 }
+        // More repetitions than the routing comparison's: the median must not follow a moment of
+        // the machine's other load, since every rate is a fraction of it.
+        CalibrationShape { short: 256, deep: 1024, decode: 16, reps: 9 }
     };
     let flow = match &a.flow_control {
         Some(text) => {
@@ -119,6 +129,7 @@ fn settings(a: &DemoArgs) -> anyhow::Result<Settings> {
         flow,
         out: a.out.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_OUT)),
         json: a.json.clone(),
+        runs: a.runs.clone(),
         scrape_interval: Duration::from_millis(100),
         progress_interval: Duration::from_secs(if q { 1 } else { 5 }),
         // Past the last arrival: the queue's TTL (30 s) bounds how long flow control holds a
@@ -536,7 +547,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
 
     // 3. The runs, each on a fresh fleet.
     let mut runs = Vec::new();
-    for spec in &RUNS {
+    for (i, spec) in RUNS.iter().enumerate() {
+        if !s.runs.is_empty() && !s.runs.contains(&(i + 1)) {
+            continue;
+        }
         println!(
             "\n== {}: fresh fleet, {} requests, flow control {}, A {} / B {}",
             spec.name,
