@@ -128,7 +128,7 @@ fn quick_noisy_neighbor_runs_every_run_through_flow_control() {
     let ends = v["ends"].as_array().expect("ends");
     assert_eq!(runs.len(), names.len());
     assert_eq!(ends.len(), names.len());
-    assert_eq!(v["targets"].as_array().expect("targets").len(), 4);
+    assert_eq!(v["targets"].as_array().expect("targets").len(), 5);
     let mut with_burst = None;
     let mut without = None;
     for (name, (run, e)) in names.iter().zip(runs.iter().zip(ends)) {

@@ -72,6 +72,10 @@ struct Settings {
     out: PathBuf,
     json: Option<PathBuf>,
     runs: Vec<usize>,
+    /// Closed-loop clients per worker of the throughput measurement.
+    throughput_clients: usize,
+    /// Its warm-up and measurement window.
+    throughput_window: (Duration, Duration),
     scrape_interval: Duration,
     progress_interval: Duration,
     drain_timeout: Duration,
@@ -130,6 +134,12 @@ fn settings(a: &DemoArgs) -> anyhow::Result<Settings> {
         out: a.out.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_OUT)),
         json: a.json.clone(),
         runs: a.runs.clone(),
+        throughput_clients: 2,
+        throughput_window: if q {
+            (Duration::from_millis(300), Duration::from_secs(1))
+        } else {
+            (Duration::from_secs(1), Duration::from_secs(8))
+        },
         scrape_interval: Duration::from_millis(100),
         progress_interval: Duration::from_secs(if q { 1 } else { 5 }),
         // Past the last arrival: the queue's TTL (30 s) bounds how long flow control holds a
@@ -179,6 +189,72 @@ fn prepare(all: &[Arrival], shape: &Shape, vocab: u32, seed: u64, model: &str) -
         p.request_id = Arc::from(format!("nn-{}", p.req.index));
     }
     prepared
+}
+
+/// Requests for the throughput measurement: the scenario's shape, both tenants in turn, ids
+/// past any schedule's (messages of their own).
+fn throughput_sample(s: &Settings) -> Vec<Arrival> {
+    let mut rng = Rng::new(s.seed, 7);
+    let n = if s.quick { 600 } else { 400 };
+    (0..n)
+        .map(|i| Arrival {
+            id: (1 << 40) + i,
+            t_s: 0.0,
+            tenant: i % TENANTS.len(),
+            burst: false,
+            user_tokens: rng.range(s.shape.user_tokens.min, s.shape.user_tokens.max),
+            output_tokens: rng.range(s.shape.output_tokens.min, s.shape.output_tokens.max),
+        })
+        .collect()
+}
+
+/// What [`measure_throughput`] found.
+struct Throughput {
+    req_per_s: f64,
+    completed: usize,
+}
+
+/// The fleet's throughput on `sample`: `clients` closed-loop clients per worker (each sends its
+/// next request when the previous one ends, straight to its worker), completions counted in the
+/// window after the warm-up.
+fn measure_throughput(
+    workers: &[WorkerAddrs],
+    sample: &[Prepared],
+    clients: usize,
+    (warmup, window): (Duration, Duration),
+) -> anyhow::Result<Throughput> {
+    anyhow::ensure!(!sample.is_empty() && clients > 0, "nothing to measure with");
+    let t0 = Instant::now();
+    let (from, to) = (t0 + warmup, t0 + warmup + window);
+    let completed = AtomicUsize::new(0);
+    let next = AtomicUsize::new(0);
+    let first_error = Mutex::new(None::<String>);
+    std::thread::scope(|scope| {
+        for w in workers {
+            for _ in 0..clients {
+                scope.spawn(|| {
+                    while Instant::now() < to {
+                        let p = &sample[next.fetch_add(1, Ordering::Relaxed) % sample.len()];
+                        let o = runner::send(w.http, p, Instant::now());
+                        if let Some(e) = o.error {
+                            first_error.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
+                            return;
+                        }
+                        let end = Instant::now();
+                        if end >= from && end < to {
+                            completed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        }
+    });
+    if let Some(e) = first_error.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        anyhow::bail!("a throughput probe failed: {e}");
+    }
+    let completed = completed.into_inner();
+    anyhow::ensure!(completed > 0, "no request completed in {:.1} s", window.as_secs_f64());
+    Ok(Throughput { req_per_s: completed as f64 / window.as_secs_f64(), completed })
 }
 
 /// One run's shared state.
@@ -509,25 +585,39 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let vocab = fleet.vocab_size();
     calibrate::wait_ready(fleet.addrs(), Duration::from_secs(30))?;
     let cost = calibrate::calibrate(fleet.addrs(), &model, vocab, s.calibration, s.seed);
+    let cost = match cost {
+        Ok(c) => c,
+        Err(e) => {
+            fleet.stop();
+            return Err(e.context("calibrating the fleet"));
+        }
+    };
+    let sample = prepare(&throughput_sample(&s), &s.shape, vocab, s.seed, &model);
+    let measured = measure_throughput(fleet.addrs(), &sample, s.throughput_clients, s.throughput_window);
     fleet.stop();
-    let cost = cost.context("calibrating the fleet")?;
-    let capacity = capacity(&s, &cost);
+    let measured = measured.context("measuring the fleet's throughput")?;
+    let modelled = capacity(&s, &cost);
     println!(
         "calibration ({:.1} s, all workers at once): overhead {:.1} ms/request, prefill {:.3} ms/token (depth {:.0}) to \
-         {:.3} ms/token (depth {:.0}), decode {:.2} ms/token",
+         {:.3} ms/token (depth {:.0}), decode {:.2} ms/token; a request of the scenario's mean size (system prompt \
+         cached) costs {:.1} ms of worker time: {modelled:.2} req/s for the fleet",
         cost.took_s,
         cost.overhead_s * 1e3,
         cost.prefill_shallow_s * 1e3,
         cost.depths.0,
         cost.prefill_deep_s * 1e3,
         cost.depths.1,
-        cost.decode_s * 1e3
+        cost.decode_s * 1e3,
+        f64::from(s.workers) / modelled * 1e3,
     );
+    let capacity = measured.req_per_s;
     println!(
-        "capacity: a request of the scenario's mean size (system prompt cached) costs {:.1} ms of worker time, so the {} \
-         workers serve {capacity:.2} req/s",
-        f64::from(s.workers) / capacity * 1e3,
-        s.workers
+        "capacity: measured {capacity:.2} req/s ({} of the scenario's requests completed in {:.1} s with {} clients per \
+         worker sending one after the other, after {:.1} s of warm-up); the rates below are fractions of it",
+        measured.completed,
+        s.throughput_window.1.as_secs_f64(),
+        s.throughput_clients,
+        s.throughput_window.0.as_secs_f64()
     );
 
     // 2. The schedule.

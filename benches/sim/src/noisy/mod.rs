@@ -519,6 +519,10 @@ pub struct RunSummary {
     pub violations: u64,
     /// Requests with other than exactly one end.
     pub inconsistent_ends: u64,
+    /// Requests arriving during the burst, per second of burst.
+    pub burst_offered_per_s: f64,
+    /// Completions during the burst (both tenants), per second of burst.
+    pub burst_served_per_s: f64,
     /// B's (arrival s, TTFT ms) of its completed requests, for the chart.
     #[serde(skip)]
     pub b_points: Vec<(f64, f64)>,
@@ -571,6 +575,8 @@ impl RunSummary {
                 _ => None,
             })
             .collect();
+        let tenants: Vec<TenantSummary> = tenants;
+        let served = tenants.iter().map(|t| t.burst_completed_per_s).sum();
         RunSummary {
             spec: run.spec,
             tenants,
@@ -580,6 +586,9 @@ impl RunSummary {
             contended_share,
             violations,
             inconsistent_ends: run.records.iter().filter(|r| r.ends != 1).count() as u64,
+            burst_offered_per_s: run.records.iter().filter(|r| cfg.in_burst(r.arrival.t_s)).count() as f64
+                / cfg.burst_s().max(1e-9),
+            burst_served_per_s: served,
             b_points,
             flow: run.flow.clone(),
             wall_s: run.wall_s,
@@ -726,6 +735,25 @@ pub fn targets(runs: &[RunSummary]) -> Vec<Target> {
         met: vs_on.zip(vs_off).map(|(a, b)| a.max(b) <= TTFT_TARGET_RATIO),
     });
     let ratio_off = b_ratio(runs, &BURST_OFF, &NO_BURST_OFF);
+    let off = run_named(runs, &BURST_OFF);
+    out.push(Target {
+        target: "the burst saturates the pool (no target: the scenario's premise)".into(),
+        measured: match off {
+            Some(r) => format!(
+                "with flow control off, {:.1} req/s served during the burst of {:.1} offered ({:.0}%): {}",
+                r.burst_served_per_s,
+                r.burst_offered_per_s,
+                100.0 * r.burst_served_per_s / r.burst_offered_per_s.max(1e-9),
+                if r.burst_served_per_s < 0.9 * r.burst_offered_per_s {
+                    "saturated"
+                } else {
+                    "NOT saturated (the capacity was underestimated)"
+                }
+            ),
+            None => "run missing".into(),
+        },
+        met: None,
+    });
     out.push(Target {
         target: "without flow control, expect several-fold (no target)".into(),
         measured: match ratio_off {
@@ -933,8 +961,8 @@ mod tests {
         assert_eq!(b.burst_ttft_p90_ms, 30.0);
         assert!(table(std::slice::from_ref(&s)).contains("| burst, flow on "));
         let t = targets(&[s]);
-        assert_eq!(t.len(), 4);
-        assert_eq!(t[3].met, Some(false), "{t:?}");
+        assert_eq!(t.len(), 5);
+        assert_eq!(t[4].met, Some(false), "{t:?}");
         assert_eq!(t[0].met, None, "no baseline run");
     }
 }
