@@ -35,6 +35,9 @@ use super::runner::{self, PolicyKind, Prepared, WorkerAddrs};
 use super::workload::{DemoRequest, Rng};
 use super::{http, write_file, DemoArgs};
 
+/// A run whose fleet's throughput just before it differs from the calibration's by more than
+/// this fraction is noted as not comparable.
+const PROBE_TOLERANCE: f64 = 0.25;
 /// Default chart path of the scenario.
 pub const DEFAULT_OUT: &str = "kvroute-noisy-neighbor.svg";
 /// Default length of the schedule, seconds.
@@ -76,6 +79,8 @@ struct Settings {
     throughput_clients: usize,
     /// Its warm-up and measurement window.
     throughput_window: (Duration, Duration),
+    /// The same, before each run.
+    probe_window: (Duration, Duration),
     scrape_interval: Duration,
     progress_interval: Duration,
     drain_timeout: Duration,
@@ -139,6 +144,11 @@ fn settings(a: &DemoArgs) -> anyhow::Result<Settings> {
             (Duration::from_millis(300), Duration::from_secs(1))
         } else {
             (Duration::from_secs(1), Duration::from_secs(8))
+        },
+        probe_window: if q {
+            (Duration::from_millis(200), Duration::from_millis(500))
+        } else {
+            (Duration::from_secs(1), Duration::from_secs(4))
         },
         scrape_interval: Duration::from_millis(100),
         progress_interval: Duration::from_secs(if q { 1 } else { 5 }),
@@ -432,16 +442,31 @@ fn scraper(
 }
 
 /// Run one of the scenario's runs on a fresh fleet.
+///
+/// Before the schedule, the fresh fleet's throughput is measured again (`sample`, a shorter
+/// window): the machine's speed can change between runs (other processes on a shared machine),
+/// and a run whose fleet was much slower or faster than at the calibration is not comparable
+/// with the others (noted). Returns the records and that throughput.
+#[allow(clippy::too_many_arguments)]
 fn run_one(
     s: &Settings,
     spec: &RunSpec,
     all: &[Arrival],
     prepared: &Arc<Vec<Prepared>>,
     fleet_opts: &FleetOptions,
-) -> anyhow::Result<RunRecords> {
+    sample: &[Prepared],
+    capacity: f64,
+) -> anyhow::Result<(RunRecords, f64)> {
     let wall = Instant::now();
     let fleet = Fleet::start(fleet_opts).with_context(|| format!("starting the workers for {}", spec.name))?;
     calibrate::wait_ready(fleet.addrs(), Duration::from_secs(30))?;
+    let probe = match measure_throughput(fleet.addrs(), sample, s.throughput_clients, s.probe_window) {
+        Ok(t) => t.req_per_s,
+        Err(e) => {
+            fleet.stop();
+            return Err(e.context("measuring the fleet's throughput before the run"));
+        }
+    };
     let pool_tokens = u64::from(s.kv_blocks) * u64::from(s.block_size);
     let base = runner::kvroute_policy_json(PolicyKind::KvrouteApprox, s.block_size, pool_tokens);
     let doc = noisy::policy_json(base, &s.flow, spec.flow_control);
@@ -513,13 +538,20 @@ fn run_one(
     if !finished_all {
         notes.push(format!("gave up waiting {:.0} s after the last arrival", s.drain_timeout.as_secs_f64()));
     }
+    if (probe / capacity - 1.0).abs() > PROBE_TOLERANCE {
+        notes.push(format!(
+            "the fleet served {probe:.1} req/s just before this run, {:+.0}% from the calibration's {capacity:.1}: the \
+             machine's speed changed, compare this run with care",
+            (probe / capacity - 1.0) * 100.0
+        ));
+    }
     let (dispatches, unknown) = run.gate.take_dispatches();
     if unknown > 0 {
         notes.push(format!("{unknown} releases of tickets the gate did not hold"));
     }
     let records = std::mem::take(&mut *run.records.lock().unwrap_or_else(PoisonError::into_inner));
     let flow = spec.flow_control.then(|| router.flow_stats().counters);
-    Ok(RunRecords { spec: *spec, records, dispatches, flow, wall_s: wall.elapsed().as_secs_f64(), notes })
+    Ok((RunRecords { spec: *spec, records, dispatches, flow, wall_s: wall.elapsed().as_secs_f64(), notes }, probe))
 }
 
 #[allow(clippy::print_stdout)]
@@ -637,6 +669,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
 
     // 3. The runs, each on a fresh fleet.
     let mut runs = Vec::new();
+    let mut probes = Vec::new();
     for (i, spec) in RUNS.iter().enumerate() {
         if !s.runs.is_empty() && !s.runs.contains(&(i + 1)) {
             continue;
@@ -649,9 +682,12 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
             spec.priorities.objective(noisy::A),
             spec.priorities.objective(noisy::B)
         );
-        let r = run_one(&s, spec, &all, &prepared, &fleet_opts).with_context(|| format!("running {}", spec.name))?;
+        let (r, probe) = run_one(&s, spec, &all, &prepared, &fleet_opts, &sample, capacity)
+            .with_context(|| format!("running {}", spec.name))?;
+        println!("   the fresh fleet served {probe:.2} req/s just before the run (calibration: {capacity:.2})");
         print_run(&cfg, &r);
         runs.push(r);
+        probes.push(probe);
     }
 
     // 4. Results.
@@ -663,6 +699,11 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
          included; p90 all = the whole run); A req/s in burst = A's completions during the burst per second; shed = \
          refused at admission (flow control's shedding, or routing's with flow control off), dropped = dropped from \
          the queue (TTL)."
+    );
+    let speeds: Vec<String> = runs.iter().zip(&probes).map(|(r, p)| format!("{} {p:.1}", r.spec.name)).collect();
+    println!(
+        "fleet throughput measured just before each run, req/s (calibration {capacity:.1}): {}",
+        speeds.join("; ")
     );
     let targets = noisy::targets(&summaries);
     println!();
@@ -698,8 +739,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         });
         doc["ends"] = serde_json::json!(runs
             .iter()
-            .map(|r| serde_json::json!({
+            .zip(&probes)
+            .map(|(r, probe)| serde_json::json!({
                 "run": r.spec.name,
+                "throughput_before_req_per_s": probe,
                 "requests": r.records.len(),
                 "ended_once": r.records.iter().filter(|x| x.ends == 1).count(),
                 "unfinished": r.records.iter().filter(|x| matches!(x.end, End::Unfinished)).count(),
