@@ -684,7 +684,14 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         );
         let (r, probe) = run_one(&s, spec, &all, &prepared, &fleet_opts, &sample, capacity)
             .with_context(|| format!("running {}", spec.name))?;
-        println!("   the fresh fleet served {probe:.2} req/s just before the run (calibration: {capacity:.2})");
+        let quiet = cfg.a_rate_per_s + cfg.b_rate_per_s;
+        let busy = cfg.a_rate_per_s * cfg.burst_factor + cfg.b_rate_per_s;
+        println!(
+            "   the fresh fleet served {probe:.2} req/s just before the run (calibration: {capacity:.2}): the schedule \
+             offers {:.0}% of that without the burst, {:.0}% during it",
+            100.0 * quiet / probe.max(1e-9),
+            100.0 * busy / probe.max(1e-9)
+        );
         print_run(&cfg, &r);
         runs.push(r);
         probes.push(probe);

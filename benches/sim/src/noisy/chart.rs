@@ -1,7 +1,8 @@
 //! The noisy-neighbor chart (the toolkit's SVG writer, [`crate::svg`]), four panels: tenant B's
 //! TTFT over time per run (p90 per time bucket, log axis, the burst shaded), B's TTFT p50/p90
-//! during the burst per run with tiered priorities against the 1.5x target, tenant A's requests by outcome per run, and
-//! the dispatch shares while saturated against the 40% target.
+//! during the burst per run with tiered priorities against the 1.5x target, tenant A's requests
+//! by outcome per run, and the dispatch shares while both tenants had requests waiting against
+//! the 40% target.
 
 use crate::svg::{nice_ceiling, Panel, Svg};
 
@@ -224,18 +225,18 @@ fn a_bars(s: &mut Svg, runs: &[RunSummary]) {
 
 fn shares(s: &mut Svg, runs: &[RunSummary]) {
     let p = SHARES;
-    p.title(s, 16.0, "dispatches while saturated");
+    p.title(s, 16.0, "dispatches, both tenants waiting");
     p.grid(s, 4, |f| format!("{:.0}%", f * 100.0));
     p.axes(s);
     let group = (p.right - p.left) / runs.len().max(1) as f64;
     let bar = group * 0.8 / 2.0;
     for (i, r) in runs.iter().enumerate() {
-        if r.saturated_dispatches == 0 {
+        if r.contended_dispatches == 0 {
             continue;
         }
         let gx = p.left + group * i as f64 + group * 0.1;
         for (t, c) in TENANT_COLORS.iter().enumerate() {
-            let v = r.saturated_share[t];
+            let v = r.contended_share[t];
             if !v.is_finite() {
                 continue;
             }
