@@ -201,6 +201,24 @@ fn prepare(all: &[Arrival], shape: &Shape, vocab: u32, seed: u64, model: &str) -
     prepared
 }
 
+/// The routing sections of every run's policy (flow control on or off): kvroute-approx as in the
+/// routing comparison, with the router's notion of a full worker (`scoring.inflight_reference`,
+/// the in-flight count that weighs as much as a full prefix hit) set to the flow-control
+/// detector's per-worker limit when it has one. With the default (16) and a limit of 4, the
+/// scorer keeps a tenant on the worker holding its system prompt until 8 or more are in flight
+/// there, while the detector (a pool mean) already calls the pool saturated at 8 in all: every
+/// in-flight request sits on one worker, the other idles, and the fleet serves half its capacity
+/// (measured: 8/0 in flight for most of a run, tenant-b's TTFT p90 in seconds without any burst).
+fn routing_policy(s: &Settings, pool_tokens: u64) -> serde_json::Value {
+    let mut base = runner::kvroute_policy_json(PolicyKind::KvrouteApprox, s.block_size, pool_tokens);
+    let d = &s.flow["saturation_detector"];
+    let limit = (d["kind"] == "concurrency").then(|| d["max_requests_per_endpoint"].as_f64()).flatten();
+    if let (Some(limit), Some(doc)) = (limit, base.as_object_mut()) {
+        doc.insert("scoring".into(), serde_json::json!({ "inflight_reference": limit }));
+    }
+    base
+}
+
 /// Requests for the throughput measurement: the scenario's shape, both tenants in turn, ids
 /// past any schedule's (messages of their own).
 fn throughput_sample(s: &Settings) -> Vec<Arrival> {
@@ -280,6 +298,10 @@ struct Run {
     start: Instant,
     ended: AtomicUsize,
     inflight: AtomicUsize,
+    /// Requests sent to each worker.
+    per_worker: Vec<AtomicUsize>,
+    /// In flight at each worker now.
+    inflight_per_worker: Vec<AtomicUsize>,
 }
 
 impl Run {
@@ -368,9 +390,12 @@ async fn request(run: Arc<Run>, k: usize) {
     };
     run.gate.dispatched(a.tenant, waited.is_some());
     run.inflight.fetch_add(1, Ordering::Relaxed);
+    run.per_worker[w].fetch_add(1, Ordering::Relaxed);
+    run.inflight_per_worker[w].fetch_add(1, Ordering::Relaxed);
     let (addr, prepared, id) = (run.workers[w].http, run.prepared.clone(), a.id);
     let sent = tokio::task::spawn_blocking(move || runner::send(addr, &prepared[id], due)).await;
     run.inflight.fetch_sub(1, Ordering::Relaxed);
+    run.inflight_per_worker[w].fetch_sub(1, Ordering::Relaxed);
     let _ = run.router.complete(&d.request_id);
     // A completion: a dispatch opportunity.
     run.gate.wake();
@@ -383,6 +408,10 @@ async fn request(run: Arc<Run>, k: usize) {
         Err(e) => End::Failed { error: format!("sender: {e}") },
     };
     run.finish(k, waited, end);
+}
+
+fn counts(v: &[AtomicUsize]) -> String {
+    v.iter().map(|c| c.load(Ordering::Relaxed).to_string()).collect::<Vec<_>>().join("/")
 }
 
 /// Scrape every worker's metrics into the router (each scrape is a dispatch opportunity) and
@@ -416,7 +445,8 @@ fn scraper(
             #[allow(clippy::print_stdout)]
             {
                 println!(
-                    "  [{:>26}] {:>5.1}s  ended {:>4}/{}  queued A {:>3} B {:>3}  in flight {:>3}  B TTFT p90 so far {:>7.1} ms",
+                    "  [{:>26}] {:>5.1}s  ended {:>4}/{}  queued A {:>3} B {:>3}  in flight {:>3} ({})  B TTFT p90 so far \
+                     {:>7.1} ms",
                     run.spec.name,
                     run.start.elapsed().as_secs_f64(),
                     run.ended.load(Ordering::Acquire),
@@ -424,6 +454,7 @@ fn scraper(
                     q[noisy::A],
                     q[noisy::B],
                     run.inflight.load(Ordering::Relaxed),
+                    counts(&run.inflight_per_worker),
                     run.b_p90(),
                 );
             }
@@ -468,7 +499,7 @@ fn run_one(
         }
     };
     let pool_tokens = u64::from(s.kv_blocks) * u64::from(s.block_size);
-    let base = runner::kvroute_policy_json(PolicyKind::KvrouteApprox, s.block_size, pool_tokens);
+    let base = routing_policy(s, pool_tokens);
     let doc = noisy::policy_json(base, &s.flow, spec.flow_control);
     let policy = Policy::from_json(&doc.to_string()).context("building the scenario's kvroute policy")?;
     let router = Arc::new(Router::new(policy));
@@ -491,6 +522,8 @@ fn run_one(
         start,
         ended: AtomicUsize::new(0),
         inflight: AtomicUsize::new(0),
+        per_worker: (0..s.workers).map(|_| AtomicUsize::new(0)).collect(),
+        inflight_per_worker: (0..s.workers).map(|_| AtomicUsize::new(0)).collect(),
     });
     let stop_scraper = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let scrape = {
@@ -545,6 +578,7 @@ fn run_one(
             (probe / capacity - 1.0) * 100.0
         ));
     }
+    notes.push(format!("requests per worker {}", counts(&run.per_worker)));
     let (dispatches, unknown) = run.gate.take_dispatches();
     if unknown > 0 {
         notes.push(format!("{unknown} releases of tickets the gate did not hold"));
@@ -665,6 +699,11 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         (noisy::A_LOAD * noisy::BURST_FACTOR + noisy::B_LOAD) * 100.0
     );
     println!("flow control (flow-on runs): {}", s.flow);
+    let routing = routing_policy(&s, u64::from(s.kv_blocks) * u64::from(s.block_size));
+    println!(
+        "routing (every run): kvroute-approx, {}",
+        routing.get("scoring").map_or("default scoring".to_owned(), |v| format!("scoring {v}"))
+    );
     let prepared = Arc::new(prepare(&all, &s.shape, vocab, s.seed, &model));
 
     // 3. The runs, each on a fresh fleet.
