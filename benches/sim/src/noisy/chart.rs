@@ -1,8 +1,8 @@
 //! The noisy-neighbor chart (the toolkit's SVG writer, [`crate::svg`]), four panels: tenant B's
 //! TTFT over time per run (p90 per time bucket, log axis, the burst shaded), B's TTFT p50/p90
 //! during the burst per run with tiered priorities against the 1.5x target, tenant A's requests
-//! by outcome per run, and the dispatch shares while both tenants had requests waiting against
-//! the 40% target.
+//! by outcome per run, and the equal-priority run's dispatch shares while both tenants had
+//! requests waiting against the 40% target.
 
 use crate::svg::{nice_ceiling, Panel, Svg};
 
@@ -223,18 +223,22 @@ fn a_bars(s: &mut Svg, runs: &[RunSummary]) {
     label_runs(s, p, runs);
 }
 
-fn shares(s: &mut Svg, runs: &[RunSummary]) {
+fn shares(s: &mut Svg, all: &[RunSummary]) {
     let p = SHARES;
-    p.title(s, 16.0, "dispatches, both tenants waiting");
+    p.title(s, 16.0, "fair shares");
+    s.text(p.center(), p.top - 3.0, 10, "middle", r##" fill="#555""##, "dispatches while both tenants waited");
     p.grid(s, 4, |f| format!("{:.0}%", f * 100.0));
     p.axes(s);
+    // Equal priorities only: with tiered ones the higher band goes first by design.
+    let runs: Vec<RunSummary> = all.iter().filter(|r| r.spec.priorities == Priorities::Equal).cloned().collect();
+    let runs = &runs[..];
     let group = (p.right - p.left) / runs.len().max(1) as f64;
-    let bar = group * 0.8 / 2.0;
+    let bar = (group * 0.8 / 2.0).min(40.0);
     for (i, r) in runs.iter().enumerate() {
         if r.contended_dispatches == 0 {
             continue;
         }
-        let gx = p.left + group * i as f64 + group * 0.1;
+        let gx = p.left + group * (i as f64 + 0.5) - bar;
         for (t, c) in TENANT_COLORS.iter().enumerate() {
             let v = r.contended_share[t];
             if !v.is_finite() {
@@ -257,8 +261,8 @@ fn shares(s: &mut Svg, runs: &[RunSummary]) {
     s.text(p.left + 4.0, y - 4.0, 10, "start", "", &format!("target {:.0}%", FAIR_SHARE_TARGET * 100.0));
     for (t, c) in TENANT_COLORS.iter().enumerate() {
         let lx = p.left + 8.0 + t as f64 * 80.0;
-        s.rect(lx, p.top + 4.0, 10.0, 10.0, c, super::TENANTS[t]);
-        s.text(lx + 14.0, p.top + 13.0, 10, "start", "", super::TENANTS[t]);
+        s.rect(lx, p.top + 8.0, 10.0, 10.0, c, super::TENANTS[t]);
+        s.text(lx + 14.0, p.top + 17.0, 10, "start", "", super::TENANTS[t]);
     }
     label_runs(s, p, runs);
 }
