@@ -205,10 +205,11 @@ fn prepare(all: &[Arrival], shape: &Shape, vocab: u32, seed: u64, model: &str) -
 /// routing comparison, with the router's notion of a full worker (`scoring.inflight_reference`,
 /// the in-flight count that weighs as much as a full prefix hit) set to the flow-control
 /// detector's per-worker limit when it has one. With the default (16) and a limit of 4, the
-/// scorer keeps a tenant on the worker holding its system prompt until 8 or more are in flight
-/// there, while the detector (a pool mean) already calls the pool saturated at 8 in all: every
-/// in-flight request sits on one worker, the other idles, and the fleet serves half its capacity
-/// (measured: 8/0 in flight for most of a run, tenant-b's TTFT p90 in seconds without any burst).
+/// scorer keeps a tenant on the worker holding its system prompt (half of each prompt) until 16
+/// are in flight there, while the detector (a pool mean) already calls the pool saturated at 8 in
+/// all: every in-flight request sits on one worker, the other idles, and the fleet serves half its
+/// capacity (measured: 8/0 in flight for most of a run, tenant-b's TTFT p90 in seconds without
+/// any burst).
 fn routing_policy(s: &Settings, pool_tokens: u64) -> serde_json::Value {
     let mut base = runner::kvroute_policy_json(PolicyKind::KvrouteApprox, s.block_size, pool_tokens);
     let d = &s.flow["saturation_detector"];
