@@ -17,6 +17,9 @@
 //!   ([`WorkloadKind`]), shared with the demo's own workload generator.
 //! - [`report`] (aligned Markdown tables, nearest-rank percentiles) and [`svg`] (a hand-written
 //!   SVG chart writer and the simulator's chart): the demo's report and chart use them as well.
+//! - [`noisy`]: the noisy-neighbor scenario (flow control's evidence): its seeded schedule, the
+//!   per-request records and summaries, the targets, table and chart the simulator
+//!   ([`noisy::sim`]) and the reference worker's demo share.
 //! - [`golden`]: the binding-neutral golden fixtures (`fixtures/golden/`) as typed cases, their
 //!   replay on a surface, the decision view and the expected-vs-actual comparison.
 //!
@@ -39,6 +42,7 @@
 pub mod cache;
 pub mod error;
 pub mod golden;
+pub mod noisy;
 pub mod policy;
 pub mod report;
 pub mod sim;

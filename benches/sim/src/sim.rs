@@ -250,48 +250,57 @@ pub struct Progress<'a> {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Event {
+pub(crate) enum Event {
     Metrics,
-    PrefillDone { endpoint: usize },
-    DecodeDone { request: usize },
+    PrefillDone {
+        endpoint: usize,
+    },
+    DecodeDone {
+        request: usize,
+    },
+    /// A timer of the caller's (the flow-control loop's dispatch timer).
+    Timer,
 }
 
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct Scheduled {
-    t_us: u64,
+pub(crate) struct Scheduled {
+    pub(crate) t_us: u64,
     seq: u64,
-    event: Event,
+    pub(crate) event: Event,
 }
 
-struct Endpoint {
+pub(crate) struct Endpoint {
     queue: VecDeque<usize>,
     prefilling: Option<usize>,
-    decoding: u32,
-    running_tokens: u64,
+    pub(crate) decoding: u32,
+    pub(crate) running_tokens: u64,
     cache: PrefixCache,
-    served: u64,
+    pub(crate) served: u64,
     busy_us: u64,
 }
 
 impl Endpoint {
-    fn busy(&self) -> bool {
+    pub(crate) fn busy(&self) -> bool {
         self.prefilling.is_some() || self.decoding > 0 || !self.queue.is_empty()
     }
 }
 
 #[derive(Default, Clone)]
-struct Flight {
-    endpoint: usize,
-    ticket: Option<String>,
+pub(crate) struct Flight {
+    pub(crate) endpoint: usize,
+    pub(crate) ticket: Option<String>,
     cached_tokens: u64,
-    ttft_us: u64,
+    pub(crate) ttft_us: u64,
 }
 
-struct Sim<'a> {
+/// The cluster's state during a run (the endpoints, the requests in flight, the event heap);
+/// [`simulate`] drives it with a balancer, the noisy-neighbor scenario with flow control
+/// (`crate::noisy::sim`).
+pub(crate) struct Sim<'a> {
     cfg: &'a ClusterConfig,
     reqs: &'a [SimRequest],
-    endpoints: Vec<Endpoint>,
-    flights: Vec<Flight>,
+    pub(crate) endpoints: Vec<Endpoint>,
+    pub(crate) flights: Vec<Flight>,
     heap: BinaryHeap<Reverse<Scheduled>>,
     seq: u64,
 }
@@ -300,10 +309,64 @@ fn us(ms: f64) -> u64 {
     (ms * 1000.0).round().max(0.0) as u64
 }
 
-impl Sim<'_> {
-    fn schedule(&mut self, t_us: u64, event: Event) {
+impl<'a> Sim<'a> {
+    /// An idle cluster (empty caches) for `reqs`.
+    pub(crate) fn new(cfg: &'a ClusterConfig, reqs: &'a [SimRequest]) -> Sim<'a> {
+        Sim {
+            cfg,
+            reqs,
+            endpoints: (0..cfg.endpoints)
+                .map(|_| Endpoint {
+                    queue: VecDeque::new(),
+                    prefilling: None,
+                    decoding: 0,
+                    running_tokens: 0,
+                    cache: PrefixCache::new(cfg.cache_tokens),
+                    served: 0,
+                    busy_us: 0,
+                })
+                .collect(),
+            flights: vec![Flight::default(); reqs.len()],
+            heap: BinaryHeap::new(),
+            seq: 0,
+        }
+    }
+
+    pub(crate) fn schedule(&mut self, t_us: u64, event: Event) {
         self.seq += 1;
         self.heap.push(Reverse(Scheduled { t_us, seq: self.seq, event }));
+    }
+
+    /// When the next event is due.
+    pub(crate) fn next_event_us(&self) -> Option<u64> {
+        self.heap.peek().map(|Reverse(s)| s.t_us)
+    }
+
+    /// Take the next event.
+    pub(crate) fn pop(&mut self) -> Option<Scheduled> {
+        self.heap.pop().map(|Reverse(s)| s)
+    }
+
+    /// Queue request `r` at endpoint `e` (its prefill starts at once when the endpoint is idle).
+    pub(crate) fn send(&mut self, r: usize, e: usize, ticket: Option<String>, now_us: u64) {
+        self.flights[r].endpoint = e;
+        self.flights[r].ticket = ticket;
+        let ep = &mut self.endpoints[e];
+        ep.queue.push_back(r);
+        ep.served += 1;
+        if ep.prefilling.is_none() {
+            self.start_prefill(e, now_us);
+        }
+    }
+
+    /// Request `r`'s decode ended: its endpoint forgets it; returns its ticket.
+    pub(crate) fn decode_done(&mut self, r: usize) -> Option<String> {
+        let f = &mut self.flights[r];
+        let ep = &mut self.endpoints[f.endpoint];
+        ep.decoding = ep.decoding.saturating_sub(1);
+        let tokens = self.reqs[r].prompt_tokens + u64::from(self.reqs[r].output_tokens);
+        ep.running_tokens = ep.running_tokens.saturating_sub(tokens);
+        f.ticket.take()
     }
 
     fn start_prefill(&mut self, e: usize, now_us: u64) {
@@ -321,7 +384,7 @@ impl Sim<'_> {
         self.schedule(now_us + service_us, Event::PrefillDone { endpoint: e });
     }
 
-    fn prefill_done(&mut self, e: usize, now_us: u64) {
+    pub(crate) fn prefill_done(&mut self, e: usize, now_us: u64) {
         let ep = &mut self.endpoints[e];
         let Some(r) = ep.prefilling.take() else { return };
         let req = &self.reqs[r];
@@ -353,7 +416,7 @@ impl Sim<'_> {
         ((ep.running_tokens + prefill) as f64 / capacity as f64).min(1.0)
     }
 
-    fn snapshots(&self, now_ms: u64) -> Vec<MetricsSnapshot> {
+    pub(crate) fn snapshots(&self, now_ms: u64) -> Vec<MetricsSnapshot> {
         self.endpoints
             .iter()
             .map(|ep| MetricsSnapshot {
@@ -380,24 +443,7 @@ pub fn simulate(
         return Err(SimError::EmptyWorkload);
     }
     let n = requests.len();
-    let mut sim = Sim {
-        cfg: cluster,
-        reqs: requests,
-        endpoints: (0..cluster.endpoints)
-            .map(|_| Endpoint {
-                queue: VecDeque::new(),
-                prefilling: None,
-                decoding: 0,
-                running_tokens: 0,
-                cache: PrefixCache::new(cluster.cache_tokens),
-                served: 0,
-                busy_us: 0,
-            })
-            .collect(),
-        flights: vec![Flight::default(); n],
-        heap: BinaryHeap::new(),
-        seq: 0,
-    };
+    let mut sim = Sim::new(cluster, requests);
     let mut routed = vec![false; n];
     sim.schedule(0, Event::Metrics);
     let mut next_arrival = 0usize;
@@ -428,14 +474,7 @@ pub fn simulate(
             match pick.endpoint.filter(|&e| e < sim.endpoints.len()) {
                 Some(e) => {
                     routed[r] = true;
-                    sim.flights[r].endpoint = e;
-                    sim.flights[r].ticket = pick.ticket;
-                    let ep = &mut sim.endpoints[e];
-                    ep.queue.push_back(r);
-                    ep.served += 1;
-                    if ep.prefilling.is_none() {
-                        sim.start_prefill(e, now_us);
-                    }
+                    sim.send(r, e, pick.ticket, now_us);
                 }
                 None => unrouted += 1,
             }
@@ -462,16 +501,12 @@ pub fn simulate(
             }
             Event::DecodeDone { request } => {
                 last_us = now_us;
-                let f = &mut sim.flights[request];
-                let ep = &mut sim.endpoints[f.endpoint];
-                ep.decoding = ep.decoding.saturating_sub(1);
-                ep.running_tokens = ep
-                    .running_tokens
-                    .saturating_sub(requests[request].prompt_tokens + u64::from(requests[request].output_tokens));
-                if let Some(t) = f.ticket.take() {
+                if let Some(t) = sim.decode_done(request) {
                     balancer.complete(&t)?;
                 }
             }
+            // Never scheduled here.
+            Event::Timer => {}
         }
     }
 

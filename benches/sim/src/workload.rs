@@ -61,11 +61,11 @@ impl Span {
         Span { min, max }
     }
 
-    fn draw(self, rng: &mut StdRng) -> u32 {
+    pub(crate) fn draw(self, rng: &mut StdRng) -> u32 {
         rng.random_range(self.min..=self.max.max(self.min))
     }
 
-    fn mean(self) -> f64 {
+    pub(crate) fn mean(self) -> f64 {
         (f64::from(self.min) + f64::from(self.max)) / 2.0
     }
 }
@@ -284,12 +284,12 @@ impl SyntheticConfig {
 }
 
 /// Deterministic pseudo-random prose: words drawn from a per-workload vocabulary.
-struct TextGen {
+pub(crate) struct TextGen {
     vocab: Vec<String>,
 }
 
 impl TextGen {
-    fn new(rng: &mut StdRng) -> TextGen {
+    pub(crate) fn new(rng: &mut StdRng) -> TextGen {
         const ONSETS: &[&str] =
             &["b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "pl", "ch"];
         const VOWELS: &[&str] = &["a", "e", "i", "o", "u", "ai", "ea", "ou"];
@@ -310,7 +310,7 @@ impl TextGen {
     }
 
     /// About `tokens` tokens of text (exactly `tokens * BYTES_PER_TOKEN` bytes).
-    fn text(&self, rng: &mut StdRng, tokens: u32) -> String {
+    pub(crate) fn text(&self, rng: &mut StdRng, tokens: u32) -> String {
         let target = tokens as usize * BYTES_PER_TOKEN;
         let mut s = String::with_capacity(target + 16);
         let mut since_period = 0;
@@ -337,7 +337,7 @@ impl TextGen {
     }
 }
 
-fn exp_sample(rng: &mut StdRng, mean: f64) -> f64 {
+pub(crate) fn exp_sample(rng: &mut StdRng, mean: f64) -> f64 {
     let u: f64 = rng.random();
     -(1.0 - u).ln() * mean
 }

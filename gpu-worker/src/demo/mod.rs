@@ -20,7 +20,9 @@
 mod calibrate;
 mod chart;
 mod fleet;
+mod gate;
 mod http;
+mod noisy;
 mod report;
 mod runner;
 mod workload;
@@ -82,12 +84,29 @@ impl LoadBasis {
 
 /// Default chart path.
 pub const DEFAULT_OUT: &str = "kvroute-demo.svg";
+/// Default chart path of `--scenario noisy-neighbor`.
+pub const DEFAULT_NOISY_OUT: &str = noisy::DEFAULT_OUT;
+
+/// What the demo shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// Routing policies compared on a multi-turn agent workload (the default).
+    Routing,
+    /// Flow control under a noisy neighbor: one tenant bursts 10x, the other stays
+    /// interactive; flow control off and on (see --help).
+    NoisyNeighbor,
+}
 
 /// Arguments of `kvroute-worker demo`.
 #[derive(clap::Args, Debug, Clone)]
 #[command(after_long_help = AFTER_HELP)]
 pub struct DemoArgs {
-    /// Workers to start on loopback (role both).
+    /// What to show: `routing` (compare routing policies) or `noisy-neighbor` (flow control
+    /// under one tenant's 10x burst; see --help).
+    #[arg(long, value_enum, default_value_t = Scenario::Routing)]
+    pub scenario: Scenario,
+    /// Workers to start on loopback (role both) [default: 4; noisy-neighbor: the machine's
+    /// cores, 2 to 4; quick: 2].
     #[arg(long, value_name = "N")]
     pub workers: Option<u32>,
     /// Offered load as a fraction of the fleet's measured capacity (see --help).
@@ -97,7 +116,8 @@ pub struct DemoArgs {
     /// round-robin with per-worker prefix caches (`round-robin`), or with the oracle's hits.
     #[arg(long, value_enum, default_value_t = LoadBasis::RoundRobin)]
     pub load_basis: LoadBasis,
-    /// Length of the arrival schedule of each policy, seconds [default: 40, quick: 2.5].
+    /// Length of the arrival schedule of each policy (run), seconds [default: 40, quick: 2.5;
+    /// noisy-neighbor: 60, quick: 3].
     #[arg(long, value_name = "SECONDS", conflicts_with = "requests")]
     pub duration_s: Option<f64>,
     /// Number of requests of each policy (instead of --duration-s).
@@ -110,9 +130,15 @@ pub struct DemoArgs {
     /// precise.
     #[arg(long, value_delimiter = ',', default_value = "round-robin,least-loaded,approx,precise", value_name = "LIST")]
     pub policies: Vec<PolicyKind>,
-    /// Where to write the SVG chart.
-    #[arg(long, default_value = DEFAULT_OUT, value_name = "PATH")]
-    pub out: PathBuf,
+    /// Where to write the SVG chart [default: kvroute-demo.svg; noisy-neighbor:
+    /// kvroute-noisy-neighbor.svg].
+    #[arg(long, value_name = "PATH")]
+    pub out: Option<PathBuf>,
+    /// noisy-neighbor: the flow_control section of the flow-control runs, as JSON (`enabled` is
+    /// set per run) [default: the concurrency detector at 4 per worker, the batch band's ceiling
+    /// 0.25].
+    #[arg(long, value_name = "JSON")]
+    pub flow_control: Option<String>,
     /// Also write the results as JSON.
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
@@ -133,6 +159,11 @@ pub struct DemoArgs {
     /// Concurrent agent conversations per tenant [default: 3; quick: 2].
     #[arg(long, value_name = "N")]
     pub agents: Option<u32>,
+    /// noisy-neighbor: only these runs, comma-separated, by number (1 no burst / flow off, 2 no
+    /// burst / flow on, 3 burst / flow off, 4 burst / flow on, 5 burst / flow on / equal
+    /// priority) [default: all]; targets whose runs are missing are not judged.
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub runs: Vec<usize>,
     /// Tiny everything (model, workload, run): for tests and CI, well under 20 s.
     #[arg(long)]
     pub quick: bool,
@@ -161,11 +192,28 @@ ORACLE HIT RATE
   already sent: the hit rate of one infinite cache shared by all workers. No router can beat it
   (except by luck with partial blocks).
 
+SCENARIO noisy-neighbor (--scenario noisy-neighbor)
+  Flow control's evidence on the reference workers (the simulator toolkit's scenario,
+  kvroute_sim::noisy): after the calibration, tenant-b sends steadily at 55% of the measured
+  capacity (objective interactive, priority 10), tenant-a at 10% and 10x that during the
+  middle third of the run (objective batch, priority -1, sheddable). Five runs on one seeded
+  schedule, each on a fresh fleet and router (kvroute-approx): no burst (flow control off, and
+  on), burst with flow control off, burst with flow control on, burst with flow control on and
+  both tenants standard (priority 0, fairness). Every request goes through the core's admit /
+  take_releases / cancel protocol in the demo's async runner (held requests wait on their
+  ticket; releases are taken after every admission, completion and metrics scrape, and at
+  next_flow_deadline). Prints B's TTFT p50/p90 during the burst and its ratio to the no-burst
+  run, A's throughput and sheds, the dispatch shares while saturated, the issue's targets;
+  writes kvroute-noisy-neighbor.svg (--out) and --json. Honoured: --workers, --duration-s,
+  --seed, --kv-tokens, --block-size, --flow-control, --quick (seconds); the routing
+  comparison's flags are ignored.
+
 EXAMPLES
   kvroute-worker demo                               the full comparison (a few minutes)
   kvroute-worker demo --quick                       a tiny run (seconds)
   kvroute-worker demo --load 0.6 --policies rr,precise --out demo.svg
-  kvroute-worker demo --workload unique --policies ll,approx,precise   no shared prefixes: balance only";
+  kvroute-worker demo --workload unique --policies ll,approx,precise   no shared prefixes: balance only
+  kvroute-worker demo --scenario noisy-neighbor     flow control under a 10x burst (a few minutes)";
 
 /// The settings a run resolves to (defaults depend on `--quick`).
 #[derive(Debug, Clone)]
@@ -268,6 +316,9 @@ impl Settings {
 
 /// Run the demo: calibrate, run every policy, print the table, write the chart (and JSON).
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if args.scenario == Scenario::NoisyNeighbor {
+        return noisy::run(&args);
+    }
     let total = Instant::now();
     let mut s = Settings::resolve(&args)?;
     let fleet_opts = FleetOptions {
@@ -385,8 +436,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         s.spec.seed,
         ratio.map_or(String::new(), |r| format!("; TTFT p90 round-robin / kvroute-precise = {r:.1}x"))
     );
-    write_file(&args.out, chart::render(&rows, title, &subtitle).as_bytes())?;
-    println!("chart: {}", args.out.display());
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_OUT));
+    write_file(&out, chart::render(&rows, title, &subtitle).as_bytes())?;
+    println!("chart: {}", out.display());
     if let Some(path) = &args.json {
         let json = results_json(&s, &cost, rate, capacity, oracle_rate, &rows, &notes, ratio);
         write_file(path, serde_json::to_string_pretty(&json).unwrap_or_default().as_bytes())?;

@@ -122,11 +122,17 @@ pub(crate) fn prepare(reqs: &[DemoRequest], model: &str) -> Vec<Prepared> {
 /// The kvroute policy of a kvroute mode: defaults, except the index mode, the block sizes and
 /// the approximate index's budget, sized to the workers' real KV pool (as an operator would).
 pub(crate) fn kvroute_policy(kind: PolicyKind, block_size: u32, pool_tokens_per_worker: u64) -> anyhow::Result<Policy> {
+    let json = kvroute_policy_json(kind, block_size, pool_tokens_per_worker);
+    Policy::from_json(&json.to_string()).context("building the kvroute policy")
+}
+
+/// [`kvroute_policy`]'s document (other sections can be merged in before it is built).
+pub(crate) fn kvroute_policy_json(kind: PolicyKind, block_size: u32, pool_tokens_per_worker: u64) -> serde_json::Value {
     let mode = if kind == PolicyKind::KvroutePrecise { "precise" } else { "approx" };
     // One membership per block of `block_tokens` tokens, charged 16 bytes each.
     let approx_block = 64u64;
     let approx_budget = (pool_tokens_per_worker / approx_block).max(64) * kvroute::NOMINAL_BYTES_PER_MEMBERSHIP;
-    let json = serde_json::json!({
+    serde_json::json!({
         "index": {
             "mode": mode,
             "block_tokens": approx_block,
@@ -137,8 +143,7 @@ pub(crate) fn kvroute_policy(kind: PolicyKind, block_size: u32, pool_tokens_per_
                 "index_block_tokens": block_size,
             },
         },
-    });
-    Policy::from_json(&json.to_string()).context("building the kvroute policy")
+    })
 }
 
 /// Live progress of a run, shared with the progress printer.

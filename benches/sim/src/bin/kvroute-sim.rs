@@ -18,7 +18,7 @@ use kvroute_sim::workload::{
     DEFAULT_TURNS, DEFAULT_USER_TOKENS,
 };
 use kvroute_sim::{
-    compare, load_trace, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
+    compare, load_trace, noisy, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
     SimError, Span, SyntheticConfig, WorkloadKind,
 };
 
@@ -57,27 +57,64 @@ POLICIES
   least-loaded  fewest outstanding requests (true counts)
   kvroute       kvroute's Router::route_http, approximate mode (default policy, or --policy FILE)
 
+SCENARIO noisy-neighbor (--scenario noisy-neighbor)
+  Flow control's evidence: two tenants on one pool (4 endpoints by default), kvroute routing
+  every request. tenant-b sends steadily at 55% of the pool's capacity; tenant-a at 10%, and
+  10x that (100%) during the middle third of the run. Five runs on one seeded schedule: no
+  burst (flow control off, and on), burst with flow control off, burst with flow control on (a
+  batch = priority -1, sheddable; b interactive = 10), burst with flow control on and equal
+  priorities (both standard = 0). Each request goes through the core's admit / take_releases protocol in
+  virtual time (releases after arrivals, completions, metrics pushes and at next_flow_deadline).
+  Prints B's TTFT, A's throughput and sheds, the dispatch shares while saturated, the issue's
+  targets; writes kvroute-sim-noisy-neighbor.svg. --flow-control JSON replaces the flow-control
+  section of the flow-control runs (default: the utilization detector at llm-d's thresholds and
+  a saturation ceiling of 0.2 on the batch band).
+  Honoured: --endpoints, --duration-s, --seed, --prefill-tps, --tpot-ms, --cache-tokens,
+  --metrics-interval-ms, --svg, --no-svg, --json, --quick (20 s).
+
 EXAMPLES
   kvroute-sim                          default comparison, chart in ./kvroute-sim.svg
   kvroute-sim --quick                  small run
   kvroute-sim --rate 4 --cache-tokens 80000 --policy my-policy.yaml
   kvroute-sim --write-trace agent.jsonl && kvroute-sim --trace agent.jsonl
-  kvroute-sim --workload unique --rate 10 --policies least-loaded,kvroute   nothing to cache";
+  kvroute-sim --workload unique --rate 10 --policies least-loaded,kvroute   nothing to cache
+  kvroute-sim --scenario noisy-neighbor                                  flow control under a burst
+  kvroute-sim --scenario noisy-neighbor --flow-control '{\"saturation_detector\":{\"kind\":\"utilization\"}}'";
+
+/// What to simulate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Scenario {
+    /// Compare routing policies on one workload (the default).
+    Routing,
+    /// Flow control under one tenant's burst (see --help).
+    NoisyNeighbor,
+}
 
 /// Compare LLM request-routing policies (round-robin, least-loaded, kvroute) on the same workload
 /// over a simulated cluster with true prefix caches; prints a table and writes an SVG chart.
 #[derive(Debug, Parser)]
 #[command(name = "kvroute-sim", version, after_long_help = AFTER_HELP)]
 struct Args {
+    /// What to simulate: `routing` (compare routing policies) or `noisy-neighbor` (flow control
+    /// under one tenant's burst; see --help).
+    #[arg(long, value_enum, default_value_t = Scenario::Routing)]
+    scenario: Scenario,
+    /// noisy-neighbor: length of the schedule, seconds [default: 60; quick: 20].
+    #[arg(long, value_name = "SECONDS")]
+    duration_s: Option<f64>,
+    /// noisy-neighbor: the flow_control section of the flow-control runs, as JSON (`enabled` is
+    /// set per run).
+    #[arg(long, value_name = "JSON")]
+    flow_control: Option<String>,
     /// Replay a JSONL trace instead of the synthetic workload (format: see --help).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// Also write the workload (synthetic or trace) as a JSONL trace to FILE.
     #[arg(long, value_name = "FILE")]
     write_trace: Option<PathBuf>,
-    /// Endpoints in the cluster.
-    #[arg(long, default_value_t = DEFAULT_ENDPOINTS, value_name = "N")]
-    endpoints: u32,
+    /// Endpoints in the cluster [default: 8; noisy-neighbor: 4].
+    #[arg(long, value_name = "N")]
+    endpoints: Option<u32>,
     /// Synthetic workload: `agents` (tenants' multi-turn sessions) or `unique` (every request a
     /// prompt of its own: caching gives nothing, only load balancing counts).
     #[arg(long, default_value_t = WorkloadKind::Agents, value_name = "KIND", value_parser = parse_workload)]
@@ -115,9 +152,10 @@ struct Args {
     /// Policies to compare, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "round-robin,least-loaded,kvroute", value_name = "LIST")]
     policies: Vec<PolicyKind>,
-    /// Where to write the SVG chart.
-    #[arg(long, default_value = "kvroute-sim.svg", value_name = "PATH")]
-    svg: PathBuf,
+    /// Where to write the SVG chart [default: kvroute-sim.svg; noisy-neighbor:
+    /// kvroute-sim-noisy-neighbor.svg].
+    #[arg(long, value_name = "PATH")]
+    svg: Option<PathBuf>,
     /// Do not write the SVG chart.
     #[arg(long)]
     no_svg: bool,
@@ -172,6 +210,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<(), SimError> {
+    if args.scenario == Scenario::NoisyNeighbor {
+        return run_noisy(args);
+    }
     let started = Instant::now();
     let policy = match &args.policy {
         Some(path) => {
@@ -183,7 +224,7 @@ fn run(args: &Args) -> Result<(), SimError> {
     };
     let policy_name = args.policy.as_ref().map_or_else(|| "default".to_owned(), |p| p.display().to_string());
     let cluster = ClusterConfig {
-        endpoints: args.endpoints,
+        endpoints: args.endpoints.unwrap_or(DEFAULT_ENDPOINTS),
         cache_tokens: args.cache_tokens,
         kv_tokens: args.kv_tokens,
         prefill_tokens_per_s: args.prefill_tps,
@@ -268,12 +309,92 @@ fn run(args: &Args) -> Result<(), SimError> {
     if !args.no_svg {
         let title = format!("kvroute-sim: {n} requests on {} endpoints", cluster.endpoints);
         let chart = svg::render(&reports, &title, &[&description, &cluster.describe()]);
-        std::fs::write(&args.svg, chart)
-            .map_err(|e| SimError::Io { path: args.svg.display().to_string(), source: e })?;
-        println!("chart: {}", args.svg.display());
+        let path = args.svg.clone().unwrap_or_else(|| PathBuf::from("kvroute-sim.svg"));
+        std::fs::write(&path, chart).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+        println!("chart: {}", path.display());
     }
     if let Some(path) = &args.json {
         let doc = serde_json::json!({ "workload": description, "cluster": cluster, "requests": n, "reports": reports });
+        let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        std::fs::write(path, text).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+        println!("results: {}", path.display());
+    }
+    eprintln!("kvroute-sim: done in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// `--scenario noisy-neighbor`.
+fn run_noisy(args: &Args) -> Result<(), SimError> {
+    let started = Instant::now();
+    let cluster = ClusterConfig {
+        endpoints: args.endpoints.unwrap_or(noisy::sim::DEFAULT_ENDPOINTS),
+        cache_tokens: args.cache_tokens,
+        kv_tokens: args.kv_tokens,
+        prefill_tokens_per_s: args.prefill_tps,
+        prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
+        tpot_ms: args.tpot_ms,
+        batch_reference: DEFAULT_BATCH_REFERENCE,
+        metrics_interval_ms: args.metrics_interval_ms,
+    };
+    cluster.validate()?;
+    let duration = args.duration_s.unwrap_or(if args.quick { 20.0 } else { noisy::sim::DEFAULT_DURATION_S });
+    let mut s = noisy::sim::SimScenario::new(cluster, noisy::sim::DEFAULT_SHAPE, duration, args.seed);
+    s.scenario.validate()?;
+    if let Some(text) = &args.flow_control {
+        let bad = || SimError::Setting {
+            name: "flow-control",
+            value: text.clone(),
+            reason: "must be a JSON object (the flow_control section)",
+        };
+        s.flow = serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .filter(serde_json::Value::is_object)
+            .ok_or_else(bad)?;
+        // Fail early on a section the policy rejects.
+        Policy::from_json(&noisy::policy_json(s.base.clone(), &s.flow, true).to_string())?;
+    }
+    let capacity = noisy::sim::capacity(&s.cluster, &s.scenario.shape);
+    println!("kvroute-sim --scenario noisy-neighbor");
+    println!("  {}", s.cluster.describe());
+    println!(
+        "  capacity: {capacity:.1} req/s (each endpoint prefills one request at a time: overhead + the message, the \
+         tenant's system prompt cached)"
+    );
+    println!("  schedule: {}", s.scenario.describe());
+    println!("  flow control (flow-on runs): {}", s.flow);
+    let mut progress = |r: &noisy::RunRecords| {
+        eprintln!("  [{:<28}] {} requests, {:.2} s", r.spec.name, r.records.len(), r.wall_s);
+    };
+    let runs = noisy::sim::run_all(&s, &mut progress)?;
+    let summaries: Vec<noisy::RunSummary> = runs.iter().map(|r| noisy::RunSummary::new(&s.scenario, r)).collect();
+    println!();
+    print!("{}", noisy::table(&summaries));
+    println!(
+        "B TTFT = tenant B's requests arriving during the burst (p90 all = over the whole run); A req/s in burst = A's \
+         completions during the burst per second; shed = refused at admission, dropped = dropped from the queue."
+    );
+    println!();
+    print!("{}", noisy::targets_text(&noisy::targets(&summaries)));
+    for r in &summaries {
+        for n in &r.notes {
+            println!("  note ({}): {n}", r.spec.name);
+        }
+    }
+    if !args.no_svg {
+        let path = args.svg.clone().unwrap_or_else(|| PathBuf::from("kvroute-sim-noisy-neighbor.svg"));
+        let title = "kvroute-sim: noisy neighbor, flow control off and on";
+        let subtitle = format!(
+            "{} endpoints, {capacity:.0} req/s capacity; B 55%, A 10% bursting 10x; seed {}",
+            s.cluster.endpoints, s.scenario.seed
+        );
+        let chart = noisy::chart::render(&s.scenario, &summaries, title, &subtitle);
+        std::fs::write(&path, chart).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+        println!("chart: {}", path.display());
+    }
+    if let Some(path) = &args.json {
+        let mut doc = noisy::results_json(&s.scenario, &summaries);
+        doc["cluster"] = serde_json::to_value(&s.cluster).unwrap_or_default();
+        doc["flow_control"] = s.flow.clone();
         let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
         std::fs::write(path, text).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
         println!("results: {}", path.display());
