@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 ALLOWED=(
   core/src/clock.rs           # feature wall-clock: the one reading of the system clock
   core/src/precise/zmq_sub.rs # feature zmq: the receiver thread, replay deadlines, poll sleeps
+  core/src/replica/nats.rs    # feature nats: the transport thread, its runtime's timers
 )
 FORBIDDEN='SystemTime::now|Instant::now|\.elapsed\(|thread::(spawn|scope|sleep|Builder)|\b(TcpStream|TcpListener|UdpSocket)\b|allow\(clippy::disallowed_'
 

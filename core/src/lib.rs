@@ -60,6 +60,7 @@
 //! | `index/` | the prefix store both indexes use (open addressing, generational LRU, sweeper) | [`PrefixIndex`], [`IndexStats`] |
 //! | `tokenize/` | feature `tokenizer`: Hugging Face tokenizer, chat templates, Python-compatible JSON, strftime, segmenter, prefix cache | `Tokenizer`, `ChatTemplate` |
 //! | `config`, `endpoints`, `metrics`, `effect`, `error` | the policy document, the endpoint table, Prometheus parsing and exposition, replication effects, typed errors | [`Policy`], [`EndpointSpec`], [`MetricsSnapshot`], [`parse_prometheus`], [`RoutingEffect`] |
+//! | `replica/` | router replicas: the batch format, the outbox, the peer table (incarnations, sequence numbers, silence), applied through [`RouterCore::apply_replica_batch`]; the NATS transport (feature `nats`) | [`ReplicaConfig`], [`ReplicaBatch`], [`ReplicaStats`], `Replicator` |
 //! | `clock` | feature `wall-clock`: the one reading of the system clock, for bindings and the subscriber | `unix_time_ms` |
 //!
 //! No clock, thread or socket outside `clock` and the subscriber: `core/clippy.toml` forbids them
@@ -109,6 +110,7 @@ mod flow;
 mod index;
 mod metrics;
 mod precise;
+mod replica;
 mod request;
 mod router;
 mod score;
@@ -118,7 +120,15 @@ mod tokenize;
 // One path per item: every public item is re-exported here, and only here.
 
 // The router.
-pub use router::{ActivePolicy, EndpointInfo, Router, RouterCore, RouterCounters, RouterStats};
+pub use router::{ActivePolicy, EndpointInfo, ReplicaApplied, Router, RouterCore, RouterCounters, RouterStats};
+
+// Router replicas.
+pub use replica::{
+    validate_replica_id, ReplicaBatch, ReplicaConfig, ReplicaEntry, ReplicaEntryRef, ReplicaError, ReplicaStats,
+    BATCH_MAGIC, MAX_REPLICA_ID_LEN,
+};
+#[cfg(feature = "nats")]
+pub use replica::{NatsReplicaOptions, Replicator, ReplicatorStats, StreamOptions};
 
 // Requests.
 pub use request::{

@@ -64,6 +64,13 @@ impl InflightTable {
         self.map.remove(id)
     }
 
+    /// Remove and return every request whose id satisfies `take` (a full scan: for rare events
+    /// such as a replica's restart).
+    pub fn drain_where(&mut self, take: impl Fn(&str) -> bool) -> Vec<Inflight> {
+        let ids: Vec<Arc<str>> = self.map.keys().filter(|id| take(id)).cloned().collect();
+        ids.iter().filter_map(|id| self.map.remove(id)).collect()
+    }
+
     /// Remove and return the oldest request for which `take(request)` holds (it stops at the
     /// first live one for which it does not).
     pub fn pop_oldest_if(&mut self, take: impl Fn(&Inflight) -> bool) -> Option<Inflight> {

@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use arc_swap::ArcSwap;
 
 pub use policy::ActivePolicy;
+pub use replication::ReplicaApplied;
 pub use state::{EndpointInfo, RouterCore, RouterCounters, RouterStats};
 
 use crate::config::Policy;
@@ -227,6 +228,53 @@ impl Router {
     /// (nothing is applied).
     pub fn apply_effect(&self, e: &RoutingEffect) -> Result<(), StateError> {
         self.lock().apply_effect(e)
+    }
+
+    /// Take part in a fleet of router replicas (see [`RouterCore::enable_replication`]). The NATS
+    /// transport ([`Replicator`](crate::Replicator), feature `nats`) calls it for you.
+    pub fn enable_replication(&self, cfg: crate::ReplicaConfig) -> Result<(), crate::ReplicaError> {
+        self.lock().enable_replication(cfg)
+    }
+
+    /// Stop replicating (see [`RouterCore::disable_replication`]).
+    pub fn disable_replication(&self) {
+        self.lock().disable_replication();
+    }
+
+    /// The next batch to publish (see [`RouterCore::take_replica_batch`]).
+    pub fn take_replica_batch(&self, now_ms: u64, heartbeat: bool) -> Option<Vec<u8>> {
+        self.lock().take_replica_batch(now_ms, heartbeat)
+    }
+
+    /// Decode another replica's batch (outside the lock) and apply it (see
+    /// [`RouterCore::apply_replica_batch`]); a malformed batch is counted and changes nothing.
+    pub fn apply_replica_bytes(&self, bytes: &[u8], now_ms: u64) -> Result<ReplicaApplied, crate::ReplicaError> {
+        match crate::ReplicaBatch::decode(bytes) {
+            Ok(b) => self.lock().apply_replica_batch(&b, now_ms),
+            Err(e) => {
+                self.lock().count_malformed_replica_batch();
+                Err(e)
+            }
+        }
+    }
+
+    /// Apply another replica's decoded batch (see [`RouterCore::apply_replica_batch`]).
+    pub fn apply_replica_batch(
+        &self,
+        batch: &crate::ReplicaBatch,
+        now_ms: u64,
+    ) -> Result<ReplicaApplied, crate::ReplicaError> {
+        self.lock().apply_replica_batch(batch, now_ms)
+    }
+
+    /// Drop the in-flight requests of silent replicas (see [`RouterCore::expire_silent_replicas`]).
+    pub fn expire_silent_replicas(&self, now_ms: u64) -> u64 {
+        self.lock().expire_silent_replicas(now_ms)
+    }
+
+    /// Replication counters, when enabled.
+    pub fn replica_stats(&self) -> Option<crate::ReplicaStats> {
+        self.lock().replica_stats()
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine (msgpack, vLLM or SGLang) and

@@ -108,6 +108,8 @@ pub struct RouterCore {
     pub(super) ids: RequestIds,
     pub(super) draws: u64,
     pub(super) record_effects: bool,
+    /// Replication to other router replicas (`replication.rs`), when enabled.
+    pub(super) replica: Option<Box<super::replication::ReplicaState>>,
     pub(super) counters: RouterCounters,
     /// Flow control (queues, limits, dispatch; `router/flow.rs`).
     pub(super) flow: FlowController,
@@ -161,6 +163,7 @@ impl RouterCore {
             ids: RequestIds::new(),
             draws: 0,
             record_effects: false,
+            replica: None,
             counters: RouterCounters::default(),
             flow: FlowController::new(cfg),
             #[cfg(feature = "tokenizer")]
@@ -341,6 +344,11 @@ impl RouterCore {
         match self.inflight.remove(request_id) {
             Some(f) => {
                 self.release(&f);
+                if let Some(r) = &mut self.replica {
+                    if !request_id.starts_with(crate::replica::REMOTE_PREFIX) {
+                        r.outbox.push_complete(&r.cfg, request_id);
+                    }
+                }
                 Ok(())
             }
             None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
