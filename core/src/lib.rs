@@ -128,7 +128,7 @@ pub use replica::{
     BATCH_MAGIC, MAX_REPLICA_ID_LEN,
 };
 #[cfg(feature = "nats")]
-pub use replica::{NatsReplicaOptions, Replicator, ReplicatorStats, StreamOptions};
+pub use replica::{NatsReplicaOptions, ReplicaPort, Replicator, ReplicatorStats, StreamOptions};
 
 // Requests.
 pub use request::{

@@ -30,8 +30,11 @@ fn opts(nats: &NatsServer, id: &str) -> NatsReplicaOptions {
 }
 
 fn body(i: usize) -> Vec<u8> {
-    format!(r#"{{"model":"m","prompt":"{} tenant {i} asks a long question about caches","max_tokens":8}}"#, "system prompt ".repeat(40))
-        .into_bytes()
+    format!(
+        r#"{{"model":"m","prompt":"{} tenant {i} asks a long question about caches","max_tokens":8}}"#,
+        "system prompt ".repeat(40)
+    )
+    .into_bytes()
 }
 
 #[test]

@@ -14,7 +14,7 @@ pub(crate) use peers::{PeerTable, PeerVerdict};
 pub use wire::{ReplicaBatch, ReplicaEntry, ReplicaEntryRef, BATCH_MAGIC};
 
 #[cfg(feature = "nats")]
-pub use nats::{NatsReplicaOptions, Replicator, ReplicatorStats, StreamOptions};
+pub use nats::{NatsReplicaOptions, ReplicaPort, Replicator, ReplicatorStats, StreamOptions};
 
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +41,10 @@ pub struct ReplicaConfig {
     /// Replica ids whose batches are applied; empty: any replica of the fleet. Batches of another
     /// replica are counted (`unknown_replica`) and dropped.
     pub allowed_replicas: Vec<String>,
+    /// Queue this router's own decisions and completions for publishing (`false`: apply-only,
+    /// for a router whose state changes reach the bus another way, e.g. the Envoy filter's
+    /// shared log through its relay).
+    pub publish: bool,
     /// Entries waiting to be published, at most (the oldest are dropped beyond, counted in
     /// `outbox_dropped`: while the bus is down routing goes on and memory stays bounded).
     pub max_outbox_entries: usize,
@@ -63,6 +67,7 @@ impl Default for ReplicaConfig {
             replica_id: String::new(),
             epoch: 0,
             allowed_replicas: Vec::new(),
+            publish: true,
             max_outbox_entries: 65_536,
             max_outbox_bytes: 64 << 20,
             max_batch_entries: 512,

@@ -22,6 +22,43 @@ use super::{validate_id, ReplicaConfig, ReplicaError, ReplicaStats};
 use crate::clock::unix_time_ms;
 use crate::router::Router;
 
+/// What the transport replicates: a [`Router`] (the usual case), or anything else that produces
+/// this replica's batches and consumes the others' (the Envoy relay: batches of the filter's
+/// shared log out, the other replicas' batches posted to the filter's ingestion path).
+pub trait ReplicaPort: Send + Sync + 'static {
+    /// The next batch to publish (see [`Router::take_replica_batch`]).
+    fn take_batch(&self, now_ms: u64, heartbeat: bool) -> Option<Vec<u8>>;
+    /// Another replica's batch arrived (see [`Router::apply_replica_bytes`]).
+    fn apply(&self, batch: &[u8], now_ms: u64);
+    /// A timer tick (drop silent replicas' requests: [`Router::expire_silent_replicas`]).
+    fn tick(&self, _now_ms: u64) {}
+    /// Replication counters to report with the transport's.
+    fn replica_stats(&self) -> Option<ReplicaStats> {
+        None
+    }
+    /// The transport stopped.
+    fn stopped(&self) {}
+}
+
+impl ReplicaPort for Router {
+    fn take_batch(&self, now_ms: u64, heartbeat: bool) -> Option<Vec<u8>> {
+        self.take_replica_batch(now_ms, heartbeat)
+    }
+    fn apply(&self, batch: &[u8], now_ms: u64) {
+        // Malformed and refused batches are counted by the router.
+        let _ = self.apply_replica_bytes(batch, now_ms);
+    }
+    fn tick(&self, now_ms: u64) {
+        self.expire_silent_replicas(now_ms);
+    }
+    fn replica_stats(&self) -> Option<ReplicaStats> {
+        Router::replica_stats(self)
+    }
+    fn stopped(&self) {
+        self.disable_replication();
+    }
+}
+
 /// The JetStream stream that retains the fleet's batches.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -133,7 +170,8 @@ impl NatsReplicaOptions {
         serde_json::from_str(json).map_err(|e| ReplicaError::Config { field: "options", reason: e.to_string() })
     }
 
-    fn replica_config(&self, epoch: u64) -> ReplicaConfig {
+    /// The replication settings these options give a router, incarnation `epoch`.
+    pub fn replica_config(&self, epoch: u64) -> ReplicaConfig {
         ReplicaConfig {
             fleet: self.fleet.clone(),
             replica_id: self.replica_id.clone(),
@@ -261,7 +299,7 @@ impl Shared {
 /// bounded (the oldest entries go first), the client reconnects by itself, and with a stream the
 /// inbound side resumes from where it stopped.
 pub struct Replicator {
-    router: Arc<Router>,
+    port: Arc<dyn ReplicaPort>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     wake: Arc<tokio::sync::Notify>,
@@ -281,6 +319,13 @@ impl Replicator {
         opts.validate()?;
         let epoch = opts.epoch.unwrap_or_else(|| unix_time_ms().max(1));
         router.enable_replication(opts.replica_config(epoch))?;
+        Replicator::start_port(router, opts)
+    }
+
+    /// Start the transport for any [`ReplicaPort`] (`opts.epoch` and the ids are the port's
+    /// business: only the URL, credentials, subjects, stream and timers are used here).
+    pub fn start_port(port: Arc<dyn ReplicaPort>, opts: NatsReplicaOptions) -> Result<Replicator, ReplicaError> {
+        opts.validate()?;
         let connect = connect_options(&opts)?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -288,12 +333,12 @@ impl Replicator {
             .map_err(|e| ReplicaError::Transport(format!("runtime: {e}")))?;
         let shared = Arc::new(Shared::default());
         let wake = Arc::new(tokio::sync::Notify::new());
-        let (r, s, w) = (router.clone(), shared.clone(), wake.clone());
+        let (r, s, w) = (port.clone(), shared.clone(), wake.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kvroute-replica-{}", opts.replica_id))
             .spawn(move || rt.block_on(run(r, opts, connect, s, w)))
             .map_err(|e| ReplicaError::Transport(format!("thread: {e}")))?;
-        Ok(Replicator { router, shared, thread: Some(thread), wake })
+        Ok(Replicator { port, shared, thread: Some(thread), wake })
     }
 
     /// The transport's and the router's replication counters.
@@ -312,7 +357,7 @@ impl Replicator {
             inbound_restarts: s.inbound_restarts.load(Ordering::Relaxed),
             server_errors: s.server_errors.load(Ordering::Relaxed),
             last_error: s.last_error.lock().ok().and_then(|g| g.clone()),
-            replica: self.router.replica_stats().unwrap_or_default(),
+            replica: self.port.replica_stats().unwrap_or_default(),
         }
     }
 
@@ -332,7 +377,7 @@ impl Replicator {
         self.wake.notify_one();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
-            self.router.disable_replication();
+            self.port.stopped();
         }
     }
 }
@@ -381,7 +426,7 @@ fn connect_options(opts: &NatsReplicaOptions) -> Result<async_nats::ConnectOptio
 type Inbound = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<(bytes::Bytes, u64), String>> + Send>>;
 
 async fn run(
-    router: Arc<Router>,
+    router: Arc<dyn ReplicaPort>,
     opts: NatsReplicaOptions,
     connect: async_nats::ConnectOptions,
     shared: Arc<Shared>,
@@ -452,8 +497,7 @@ async fn run(
                     last_stream_seq = last_stream_seq.max(stream_seq);
                     shared.received.fetch_add(1, Ordering::Relaxed);
                     shared.received_bytes.fetch_add(payload.len() as u64, Ordering::Relaxed);
-                    // Malformed and refused batches are counted by the router.
-                    let _ = router.apply_replica_bytes(&payload, unix_time_ms());
+                    router.apply(&payload, unix_time_ms());
                     continue;
                 }
                 Some(Err(e)) => {
@@ -471,7 +515,7 @@ async fn run(
         }
         let now = unix_time_ms();
         publish_pending(
-            &router,
+            &*router,
             &client,
             &subject,
             &shared,
@@ -480,12 +524,12 @@ async fn run(
             &mut last_sent,
         )
         .await;
-        router.expire_silent_replicas(now);
+        router.tick(now);
     }
     // Hand over what waits and flush, bounded.
     let now = unix_time_ms();
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        publish_pending(&router, &client, &subject, &shared, now, false, &mut last_sent).await;
+        publish_pending(&*router, &client, &subject, &shared, now, false, &mut last_sent).await;
         let _ = client.flush().await;
     })
     .await;
@@ -499,7 +543,7 @@ async fn next(inbound: &mut Option<Inbound>) -> Option<Result<(bytes::Bytes, u64
 }
 
 async fn publish_pending(
-    router: &Router,
+    router: &dyn ReplicaPort,
     client: &async_nats::Client,
     subject: &str,
     shared: &Shared,
@@ -508,7 +552,7 @@ async fn publish_pending(
     last_sent: &mut u64,
 ) {
     let mut hb = heartbeat;
-    while let Some(batch) = router.take_replica_batch(now, hb) {
+    while let Some(batch) = router.take_batch(now, hb) {
         hb = false;
         let n = batch.len() as u64;
         // `publish` waits only for room in the client's buffer; while disconnected that buffer

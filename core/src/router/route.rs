@@ -229,13 +229,13 @@ impl RouterCore {
         let m = self.mode(active, keys, &f, &pick);
         let booked = self.book(active, keys, &f, pick.d, &m, &request_id, now_ms);
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
-        if let Some(r) = &mut self.replica {
+        if let Some(r) = self.replica.as_mut().filter(|r| r.cfg.publish) {
             if let Some(e) = &d.effect {
                 r.outbox.push_effect(&r.cfg, e);
             }
-            if !self.record_effects {
-                d.effect = None;
-            }
+        }
+        if !self.record_effects {
+            d.effect = None;
         }
         Ok(d)
     }
@@ -459,7 +459,7 @@ impl RouterCore {
     ) -> Decision {
         let endpoint = f.roster[pick.d].clone();
         let prefill_endpoint = m.prefill.map(|p| f.roster[p].clone());
-        let effect = (self.record_effects || self.replica.is_some()).then(|| {
+        let effect = (self.record_effects || self.replica.as_ref().is_some_and(|r| r.cfg.publish)).then(|| {
             let (approx_keys, approx_seq_starts) = if f.approx_valid {
                 (keys.approx.keys.clone(), keys.approx.seq_starts.clone())
             } else {

@@ -345,7 +345,7 @@ impl RouterCore {
             Some(f) => {
                 self.release(&f);
                 if let Some(r) = &mut self.replica {
-                    if !request_id.starts_with(crate::replica::REMOTE_PREFIX) {
+                    if r.cfg.publish && !request_id.starts_with(crate::replica::REMOTE_PREFIX) {
                         r.outbox.push_complete(&r.cfg, request_id);
                     }
                 }

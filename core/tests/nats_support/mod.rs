@@ -42,7 +42,8 @@ impl NatsServer {
         if let Some(t) = &self.token {
             cmd.args(["--auth", t]);
         }
-        let child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {} ({e}): apt-get install nats-server", binary()));
+        let child =
+            cmd.spawn().unwrap_or_else(|e| panic!("cannot start {} ({e}): apt-get install nats-server", binary()));
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
