@@ -1,6 +1,6 @@
 //! Router replicas over a real NATS server on loopback (feature `nats`).
 #![cfg(feature = "nats")]
-#![allow(clippy::disallowed_methods, clippy::disallowed_types)] // real server, real waits
+#![allow(clippy::disallowed_methods, clippy::disallowed_types, clippy::unwrap_used, clippy::expect_used)] // real server, real waits
 
 mod nats_support;
 
