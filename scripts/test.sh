@@ -17,11 +17,13 @@ fi
 rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed | grep -q '^clippy' || rustup component add clippy
 
-step "system libraries (libzmq for kvroute's \`zmq\` feature)"
+step "system packages (libzmq for kvroute's \`zmq\` feature, nats-server for the replica tests)"
 dpkg -s libzmq3-dev >/dev/null 2>&1 || (apt-get update && apt-get install -y libzmq3-dev pkg-config)
+# The replica tests start their own nats-server (loopback, JetStream in a temporary directory).
+dpkg -s nats-server >/dev/null 2>&1 || (apt-get update && apt-get install -y nats-server)
 
 # The native-only features of the core, tested together (one build).
-FEATURES="zmq,tokenizer"
+FEATURES="zmq,tokenizer,nats"
 # The Python extension (py/, crate kvroute-py) enables FEATURES on the core; it is checked in its
 # own step, so the workspace-wide steps leave it out (cargo would otherwise unify those features
 # into every workspace build and the default-feature build would go untested).
@@ -33,7 +35,7 @@ cargo fmt --all -- --check
 step "clippy (warnings denied; libs, bins, tests, benches; default and native features)"
 cargo clippy --workspace $NOT_PY --all-targets --locked -- -D warnings
 cargo clippy -p kvroute --features "$FEATURES" --all-targets --locked -- -D warnings
-cargo clippy -p kvroute-benches --features tokenizer --all-targets --locked -- -D warnings
+cargo clippy -p kvroute-benches --features tokenizer,nats --all-targets --locked -- -D warnings
 
 step "sans-IO guard: no clock, thread or socket in the core outside its feature-gated adapters"
 # The clippy runs above deny core/clippy.toml's disallowed methods and types (-D warnings); this
@@ -49,7 +51,7 @@ step "tests (unit, integration, golden fixtures, property tests, doc tests; defa
 # tested in their own steps below, so this build keeps the core's default feature set.
 cargo test -p kvroute -p kvroute-sim -p kvroute-benches -p kvroute-wasm --locked
 
-step "tests with the native features: ZMQ subscriber (loopback only) and tokenizer"
+step "tests with the native features: ZMQ subscriber, tokenizer, router replicas over a real nats-server (loopback only)"
 cargo test -p kvroute --features "$FEATURES" --locked
 
 step "core builds for wasm32-wasip1"

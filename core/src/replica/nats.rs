@@ -473,9 +473,22 @@ async fn run(
     let mut last_sent = 0u64;
     // The last stream sequence applied: a consumer set up again resumes after it.
     let mut last_stream_seq = 0u64;
+    let mut seen_connects = 0u64;
     loop {
         if shared.stop.load(Ordering::Relaxed) {
             break;
+        }
+        // After a reconnection the consumer is set up again at once (from the last stream
+        // sequence applied) rather than after it notices its missed heartbeats.
+        let connects = shared.connects.load(Ordering::Relaxed);
+        if connects != seen_connects {
+            if seen_connects > 0 && inbound.is_some() {
+                inbound = None;
+                shared.inbound_ready.store(false, Ordering::Relaxed);
+                shared.inbound_restarts.fetch_add(1, Ordering::Relaxed);
+                next_inbound_try = tokio::time::Instant::now();
+            }
+            seen_connects = connects;
         }
         if inbound.is_none() && tokio::time::Instant::now() >= next_inbound_try {
             match open_inbound(&client, &opts, last_stream_seq).await {

@@ -1,6 +1,13 @@
 //! A real `nats-server` (Debian's package; the test script installs it) on loopback with
 //! JetStream and its storage in a temporary directory, killed on drop.
-#![allow(dead_code, clippy::disallowed_methods, clippy::disallowed_types, clippy::unwrap_used, clippy::expect_used, clippy::panic)] // real sockets, processes, waits
+#![allow(
+    dead_code,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)] // real sockets, processes, waits
 
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
