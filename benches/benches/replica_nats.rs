@@ -10,7 +10,13 @@
 //! effects/s from the first batch handed over to the last applied (both directions of one
 //! replica's work: it publishes its own and applies the others'), bytes per effect on the wire,
 //! and the receiver's resident memory before and after.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods, clippy::disallowed_types, clippy::print_stdout)] // a report on stdout
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    clippy::print_stdout
+)] // a report on stdout
 
 use std::collections::VecDeque;
 use std::net::{TcpListener, TcpStream};

@@ -187,8 +187,12 @@ pub struct ReplicaStats {
     pub unknown_replica: u64,
     /// Batches of another fleet.
     pub wrong_fleet: u64,
-    /// This replica's own batches coming back (ignored).
+    /// This replica's own batches coming back (ignored, but for those of an earlier incarnation:
+    /// `own_past_applied`).
     pub own: u64,
+    /// Batches of this replica's own earlier incarnations (a stream replayed after a restart)
+    /// whose cache and session state was applied, without their requests in flight.
+    pub own_past_applied: u64,
     /// Batches seen before (same replica, epoch and sequence number or lower): ignored.
     pub duplicates: u64,
     /// Batches of an older incarnation of a replica already seen newer: ignored.

@@ -26,6 +26,10 @@ pub enum PeerVerdict {
         /// The incarnation it replaces.
         old_epoch: u64,
     },
+    /// A batch of this replica's own previous incarnation (replayed from a stream after a
+    /// restart): apply what it says of caches and sessions, not its requests in flight (their
+    /// completions died with that incarnation).
+    ApplyOwnPast,
     /// Ignore it (counted): own, duplicate, stale, other fleet or unknown replica.
     Ignore,
 }
@@ -51,7 +55,7 @@ impl PeerTable {
         }
         if batch.replica == cfg.replica_id {
             stats.own += 1;
-            return PeerVerdict::Ignore;
+            return if batch.epoch < cfg.epoch { PeerVerdict::ApplyOwnPast } else { PeerVerdict::Ignore };
         }
         if !cfg.allows(&batch.replica) {
             stats.unknown_replica += 1;

@@ -288,3 +288,25 @@ fn effects_for_unknown_endpoints_are_skipped_not_fatal() {
     assert_eq!(b.replica_stats().unwrap().effects_unknown_endpoint, u64::from(skipped));
     assert_eq!(b.stats().inflight_requests, fx as usize);
 }
+
+#[test]
+fn a_restarted_replica_relearns_its_own_past_caches_but_not_its_requests() {
+    let mut old = core("a", 1);
+    let req = RouteRequest::text("m", &prompt(70));
+    let d = old.route(&req, 10).unwrap();
+    let replayed: Vec<Vec<u8>> = std::iter::from_fn(|| old.take_replica_batch(11, false)).collect();
+    // The next incarnation replays the stream, its own past batches among them.
+    let mut new = core("a", 2);
+    for b in &replayed {
+        assert!(new.apply_replica_bytes(b, 20).unwrap().applied);
+    }
+    assert_eq!(new.stats().inflight_requests, 0, "the old incarnation's requests died with it");
+    let s = new.replica_stats().unwrap();
+    assert_eq!((s.own, s.own_past_applied), (1, 1));
+    let again = new.route(&req, 21).unwrap();
+    assert_eq!(again.endpoint(), d.endpoint());
+    assert_eq!(again.prefix_hit, 1.0);
+    // Its current incarnation's batches coming back stay ignored.
+    let own = new.take_replica_batch(22, false).unwrap();
+    assert!(!new.apply_replica_bytes(&own, 22).unwrap().applied);
+}

@@ -18,6 +18,11 @@ impl RouterCore {
 
     /// [`RouterCore::apply_effect`], tracking the request under `request_id`.
     fn apply_effect_as(&mut self, e: &RoutingEffect, request_id: &str) -> Result<(), StateError> {
+        self.apply_effect_parts(e, Some(request_id))
+    }
+
+    /// Apply an effect; its request is tracked in flight under `request_id` when given.
+    fn apply_effect_parts(&mut self, e: &RoutingEffect, request_id: Option<&str>) -> Result<(), StateError> {
         let t_slot = self.slot(&e.target)?;
         let p_slot = e.prefill.as_deref().map(|p| self.slot(p)).transpose()?;
         let slots = std::iter::once(t_slot).chain(p_slot);
@@ -46,7 +51,7 @@ impl RouterCore {
             slot: t_slot,
             incarnation: ep.incarnation,
         });
-        if !self.inflight.contains(request_id) {
+        if let Some(request_id) = request_id.filter(|id| !self.inflight.contains(id)) {
             let t = self.track(t_slot, e.now_ms, 0);
             let p = p_slot.map(|p| self.track(p, e.now_ms, 0));
             self.inflight.insert(request_id, t, p, e.now_ms, 0);
@@ -163,6 +168,18 @@ impl RouterCore {
         let mut out = ReplicaApplied::default();
         match verdict {
             PeerVerdict::Ignore => {}
+            PeerVerdict::ApplyOwnPast => {
+                out.applied = true;
+                r.stats.own_past_applied += 1;
+                for e in &batch.entries {
+                    if let ReplicaEntry::Effect(fx) = e {
+                        match self.apply_effect_parts(fx, None) {
+                            Ok(()) => out.effects += 1,
+                            Err(_) => out.skipped += 1,
+                        }
+                    }
+                }
+            }
             PeerVerdict::Apply | PeerVerdict::ApplyNewIncarnation { .. } => {
                 if let PeerVerdict::ApplyNewIncarnation { old_epoch } = verdict {
                     r.stats.inflight_dropped += self.drop_remote_inflight(&batch.replica, old_epoch);
