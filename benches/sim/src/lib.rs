@@ -44,6 +44,7 @@ pub mod error;
 pub mod golden;
 pub mod noisy;
 pub mod policy;
+pub mod replicas;
 pub mod report;
 pub mod sim;
 pub mod svg;
