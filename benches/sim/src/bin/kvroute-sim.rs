@@ -72,6 +72,28 @@ SCENARIO noisy-neighbor (--scenario noisy-neighbor)
   Honoured: --endpoints, --duration-s, --seed, --prefill-tps, --tpot-ms, --cache-tokens,
   --metrics-interval-ms, --svg, --no-svg, --json, --quick (20 s).
 
+SCENARIO replicas (--scenario replicas)
+  Router replicas over a bus, measured the way peers measure it: the synthetic agent workload
+  (1000 sessions by default; --quick: 240 at 4/s) sprayed round-robin over N router replicas,
+  each its own kvroute RouterCore with the same endpoints and policy, on the cluster model above.
+  Hit rate = the engines' true cached / prompt tokens (the same metric for every run), relative
+  to one router; also the routers' predicted hit, TTFT p50/p90 and what the bus carried per
+  routed decision. Runs: each count of --replicas (default 1,2,4,8) without and with sync. Sync:
+  every replica drains its outbox every --flush-ms (2) into batches, each delivered to every
+  other replica --bus-latency-ms (1) later and applied; a replica silent for 1 s publishes a
+  heartbeat. The stream retains every batch (600 s, 256 MiB). Then, at the largest count with
+  sync (unless --no-faults): router-0 killed at 1/3 of the run (outbox lost, the spray skips it)
+  and started again 5 s later with a larger epoch, bootstrapped by replaying the stream; the same
+  without the replay; and a 5 s bus outage (nothing published or delivered: outboxes keep their
+  entries, the stream holds what was in flight, all of it delivered when the bus is back).
+  Recovery: 1-s windows from the restart (bus back); back when, for 5 windows in a row, the
+  hit rate pooled over the trailing 3 windows is within 10% of the reference (the other
+  replicas; for the outage, the same run without it). Prints a table, the fault details and the
+  issue's targets; writes kvroute-sim-replicas.svg.
+  Honoured: --replicas, --bus-latency-ms, --flush-ms, --no-faults, --sessions, --rate, --tenants,
+  --turns, --seed, the token ranges, --think-ms, --policy, --endpoints, the cluster flags,
+  --svg, --no-svg, --json, --quick.
+
 EXAMPLES
   kvroute-sim                          default comparison, chart in ./kvroute-sim.svg
   kvroute-sim --quick                  small run
@@ -79,6 +101,8 @@ EXAMPLES
   kvroute-sim --write-trace agent.jsonl && kvroute-sim --trace agent.jsonl
   kvroute-sim --workload unique --rate 10 --policies least-loaded,kvroute   nothing to cache
   kvroute-sim --scenario noisy-neighbor                                  flow control under a burst
+  kvroute-sim --scenario replicas                                       replicas, sync off and on, faults
+  kvroute-sim --scenario replicas --replicas 1,16 --bus-latency-ms 20 --no-faults
   kvroute-sim --scenario noisy-neighbor --flow-control '{\"saturation_detector\":{\"kind\":\"utilization\"}}'";
 
 /// What to simulate.
@@ -568,5 +592,13 @@ mod tests {
         assert!(a.quick && a.sessions.is_none());
         assert!(Args::try_parse_from(["kvroute-sim", "--policies", "random"]).is_err());
         assert!(Args::try_parse_from(["kvroute-sim", "--turns", "5-3"]).is_err());
+        let a = Args::try_parse_from(["kvroute-sim", "--scenario", "replicas", "--replicas", "1,16", "--no-faults"])
+            .map_err(|e| e.to_string());
+        let a = match a {
+            Ok(a) => a,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!((a.scenario, a.replicas.as_slice(), a.no_faults), (Scenario::Replicas, &[1, 16][..], true));
+        assert!(Args::try_parse_from(["kvroute-sim", "--replicas", "two"]).is_err());
     }
 }

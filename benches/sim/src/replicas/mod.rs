@@ -416,6 +416,10 @@ pub struct FaultReport {
     pub dip: (Option<f64>, Option<f64>),
 }
 
+/// One recovery window's tokens: (faulted cached, faulted prompt, reference cached, reference
+/// prompt).
+pub type WindowTokens = (u64, u64, u64, u64);
+
 /// When a faulted series is back: the first window (from `from`) after which, for
 /// [`HOLD_WINDOWS`] consecutive windows, the faulted series pooled over its trailing
 /// [`SMOOTH_WINDOWS`] windows (never before `from`) is at least `1 - RECOVERY_BAND` of the
@@ -424,7 +428,7 @@ pub struct FaultReport {
 ///
 /// `series[k]` = (faulted cached, faulted prompt, reference cached, reference prompt) tokens of
 /// window `k`.
-pub fn recovery(series: &[(u64, u64, u64, u64)], from: usize) -> Option<usize> {
+pub fn recovery(series: &[WindowTokens], from: usize) -> Option<usize> {
     let ok = |k: usize| {
         let lo = k.saturating_sub(SMOOTH_WINDOWS - 1).max(from);
         let (mut fc, mut fp, mut rc, mut rp) = (0u64, 0u64, 0u64, 0u64);
@@ -612,7 +616,7 @@ fn fault_report(
         .collect();
     // The recovery series, in windows aligned to the fault's end.
     let m = (last.saturating_sub(end_ms) / w + 1) as usize;
-    let series: Vec<(u64, u64, u64, u64)> = match r.spec.fault {
+    let series: Vec<WindowTokens> = match r.spec.fault {
         Fault::KillRestart | Fault::KillRestartNoReplay => {
             let a = tokens_by_window(&r.records, end_ms, w, m, |x| x.replica == 0);
             let b = tokens_by_window(&r.records, end_ms, w, m, |x| x.replica != 0);
@@ -626,7 +630,7 @@ fn fault_report(
     };
     let recovery_s = recovery(&series, 0).map(|k| (k as u64 * w) as f64 / 1000.0);
     let first10 = (10_000 / w).max(1) as usize;
-    let pool = |sel: &dyn Fn(&(u64, u64, u64, u64)) -> (u64, u64)| {
+    let pool = |sel: &dyn Fn(&WindowTokens) -> (u64, u64)| {
         ratio(series.iter().take(first10).map(sel).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1)))
     };
     let after_10s = (pool(&|x| (x.0, x.1)), pool(&|x| (x.2, x.3)));
@@ -853,4 +857,65 @@ pub fn results_json(s: &ReplicasScenario, runs: &[RunSummary]) -> serde_json::Va
         "runs": runs,
         "targets": targets(s, runs),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recovery_needs_the_criterion_to_hold() {
+        // (faulted cached, faulted prompt, reference cached, reference prompt) per window.
+        let good = (90, 100, 90, 100);
+        let bad = (50, 100, 90, 100);
+        assert_eq!(recovery(&[good; 8], 0), Some(0));
+        // Good from window 2, but the trailing span (3 windows) pools the bad ones in: window 2
+        // 140/200 and window 3 230/300 are below 0.9 x 0.9; window 4 pools 2..=4: 270/300.
+        let mut s = vec![bad, bad];
+        s.extend([good; 8]);
+        assert_eq!(recovery(&s, 0), Some(4));
+        // Windows before `from` are never pooled.
+        assert_eq!(recovery(&s, 2), Some(0));
+        // Not enough windows left to hold the criterion.
+        assert_eq!(recovery(&[good; HOLD_WINDOWS - 1], 0), None);
+        // A window without requests of the faulted series is judged on its trailing span; with
+        // nothing in the span it is not back.
+        let mut gap = vec![good; 3];
+        gap.push((0, 0, 90, 100));
+        gap.extend([good; 2]);
+        assert_eq!(recovery(&gap, 0), Some(0));
+        assert_eq!(recovery(&[(0, 0, 90, 100); 8], 0), None);
+        let mut late = vec![(0, 0, 90, 100); 3];
+        late.extend([good; 5]);
+        assert_eq!(recovery(&late, 0), Some(3));
+    }
+
+    #[test]
+    fn specs_and_names() {
+        let mut s = ReplicasScenario::quick(1);
+        s.replicas = vec![4, 2];
+        let specs = s.specs();
+        let names: Vec<String> = specs.iter().map(RunSpec::name).collect();
+        assert_eq!(
+            names,
+            [
+                "1 replica",
+                "1 replica, sync",
+                "2 replicas, no sync",
+                "2 replicas, sync",
+                "4 replicas, no sync",
+                "4 replicas, sync",
+                "8 replicas, sync",
+                "8 replicas, sync, kill + restart",
+                "8 replicas, sync, kill + restart, no replay",
+                "8 replicas, sync, bus outage",
+            ]
+        );
+        s.faults = false;
+        assert_eq!(s.specs().len(), 6);
+        assert!(s.validate().is_ok());
+        s.faults = true;
+        s.fault_replicas = 1;
+        assert!(matches!(s.validate(), Err(SimError::Setting { name: "fault-replicas", .. })));
+    }
 }
