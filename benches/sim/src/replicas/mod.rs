@@ -332,6 +332,9 @@ pub struct ReplayReport {
     pub effects: u64,
     /// Completions applied.
     pub completions: u64,
+    /// Wall-clock time the replay took here, µs (measured, not simulated: the only
+    /// non-deterministic field).
+    pub wall_us: u64,
 }
 
 /// One run's records.
@@ -713,7 +716,7 @@ pub fn targets(s: &ReplicasScenario, runs: &[RunSummary]) -> Vec<Target> {
         });
     }
     if let Some(o) = runs.iter().find(|r| r.spec.fault == Fault::BusOutage) {
-        let lost = o.failed + o.shed + (o.requests - o.served - o.failed - o.shed);
+        let lost = o.requests - o.served;
         out.push(Target {
             name: format!("bus outage of {:.0} s: decisions lost (not routed, errored)", s.outage_ms as f64 / 1000.0),
             value: format!("{lost} of {}", o.requests),
@@ -803,12 +806,13 @@ pub fn faults_text(runs: &[RunSummary]) -> String {
                 ));
                 if let Some(p) = &r.replay {
                     out.push_str(&format!(
-                        "    bootstrap: replayed {} of {} stream batches ({:.1} MiB): {} effects and {} completions \
-                         applied, {} batches of its own earlier incarnation ignored; completions lost with the \
-                         killed replica: {}\n",
+                        "    bootstrap: replayed {} of {} stream batches ({:.1} MiB, {:.0} ms of CPU here): {} effects \
+                         and {} completions applied, {} batches of its own earlier incarnation ignored; completions \
+                         lost with the killed replica: {}\n",
                         p.batches,
                         p.stream_batches,
                         p.bytes as f64 / f64::from(1 << 20),
+                        p.wall_us as f64 / 1000.0,
                         p.effects,
                         p.completions,
                         p.own_ignored,

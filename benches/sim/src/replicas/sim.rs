@@ -203,6 +203,7 @@ impl Loop<'_> {
                 bytes += p.bytes.len() as u64;
                 first -= 1;
             }
+            let t0 = Instant::now();
             rep.stream_batches = self.stream.len() as u64;
             rep.first_retained = first as u64;
             for p in &self.stream[first..] {
@@ -218,6 +219,7 @@ impl Loop<'_> {
                 }
             }
             rep.own_ignored = core.replica_stats().map_or(0, |s| s.own);
+            rep.wall_us = t0.elapsed().as_micros() as u64;
         }
         for (id, m) in self.ids.iter().zip(self.sim.snapshots(now_ms)) {
             core.update_metrics(id, m)?;
