@@ -1,6 +1,6 @@
 //! The simulator's typed error.
 
-use kvroute::{ConfigError, RouteError, StateError};
+use kvroute::{ConfigError, ReplicaError, RouteError, StateError};
 
 /// Anything that can stop a simulation: unreadable or malformed input, an invalid setting, or the
 /// router refusing an operation.
@@ -62,6 +62,9 @@ pub enum SimError {
     /// The router refused an endpoint-table operation.
     #[error("router state: {0}")]
     State(#[from] StateError),
+    /// The router refused a replication setting or operation.
+    #[error("replication: {0}")]
+    Replica(#[from] ReplicaError),
     /// The router could not route a request.
     #[error("routing request {request_id}: {source}")]
     Route {

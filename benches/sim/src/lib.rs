@@ -20,6 +20,10 @@
 //! - [`noisy`]: the noisy-neighbor scenario (flow control's evidence): its seeded schedule, the
 //!   per-request records and summaries, the targets, table and chart the simulator
 //!   ([`noisy::sim`]) and the reference worker's demo share.
+//! - [`replicas`]: the router-replicas scenario: N replicas (each its own `RouterCore`) behind a
+//!   round-robin spray, their state shared over a bus simulated in virtual time or not, a
+//!   replica killed and restarted from the stream, a bus outage ([`replicas::sim`]); summaries,
+//!   targets, table and chart.
 //! - [`golden`]: the binding-neutral golden fixtures (`fixtures/golden/`) as typed cases, their
 //!   replay on a surface, the decision view and the expected-vs-actual comparison.
 //!
@@ -44,6 +48,7 @@ pub mod error;
 pub mod golden;
 pub mod noisy;
 pub mod policy;
+pub mod replicas;
 pub mod report;
 pub mod sim;
 pub mod svg;

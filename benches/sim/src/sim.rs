@@ -289,7 +289,7 @@ impl Endpoint {
 pub(crate) struct Flight {
     pub(crate) endpoint: usize,
     pub(crate) ticket: Option<String>,
-    cached_tokens: u64,
+    pub(crate) cached_tokens: u64,
     pub(crate) ttft_us: u64,
 }
 

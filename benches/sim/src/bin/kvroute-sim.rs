@@ -18,8 +18,8 @@ use kvroute_sim::workload::{
     DEFAULT_TURNS, DEFAULT_USER_TOKENS,
 };
 use kvroute_sim::{
-    compare, load_trace, noisy, prepare, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind, PolicyReport,
-    SimError, Span, SyntheticConfig, WorkloadKind,
+    compare, load_trace, noisy, prepare, replicas, report, save_trace, svg, synthetic, ClusterConfig, PolicyKind,
+    PolicyReport, SimError, Span, SyntheticConfig, WorkloadKind,
 };
 
 /// Sessions in a `--quick` run.
@@ -72,6 +72,28 @@ SCENARIO noisy-neighbor (--scenario noisy-neighbor)
   Honoured: --endpoints, --duration-s, --seed, --prefill-tps, --tpot-ms, --cache-tokens,
   --metrics-interval-ms, --svg, --no-svg, --json, --quick (20 s).
 
+SCENARIO replicas (--scenario replicas)
+  Router replicas over a bus, measured the way peers measure it: the synthetic agent workload
+  (1000 sessions by default; --quick: 240 at 4/s) sprayed round-robin over N router replicas,
+  each its own kvroute RouterCore with the same endpoints and policy, on the cluster model above.
+  Hit rate = the engines' true cached / prompt tokens (the same metric for every run), relative
+  to one router; also the routers' predicted hit, TTFT p50/p90 and what the bus carried per
+  routed decision. Runs: each count of --replicas (default 1,2,4,8) without and with sync. Sync:
+  every replica drains its outbox every --flush-ms (2) into batches, each delivered to every
+  other replica --bus-latency-ms (1) later and applied; a replica silent for 1 s publishes a
+  heartbeat. The stream retains every batch (600 s, 256 MiB). Then, at the largest count with
+  sync (unless --no-faults): router-0 killed at 1/3 of the run (outbox lost, the spray skips it)
+  and started again 5 s later with a larger epoch, bootstrapped by replaying the stream; the same
+  without the replay; and a 5 s bus outage (nothing published or delivered: outboxes keep their
+  entries, the stream holds what was in flight, all of it delivered when the bus is back).
+  Recovery: 1-s windows from the restart (bus back); back when, for 5 windows in a row, the
+  hit rate pooled over the trailing 3 windows is within 10% of the reference (the other
+  replicas; for the outage, the same run without it). Prints a table, the fault details and the
+  issue's targets; writes kvroute-sim-replicas.svg.
+  Honoured: --replicas, --bus-latency-ms, --flush-ms, --no-faults, --sessions, --rate, --tenants,
+  --turns, --seed, the token ranges, --think-ms, --policy, --endpoints, the cluster flags,
+  --svg, --no-svg, --json, --quick.
+
 EXAMPLES
   kvroute-sim                          default comparison, chart in ./kvroute-sim.svg
   kvroute-sim --quick                  small run
@@ -79,6 +101,8 @@ EXAMPLES
   kvroute-sim --write-trace agent.jsonl && kvroute-sim --trace agent.jsonl
   kvroute-sim --workload unique --rate 10 --policies least-loaded,kvroute   nothing to cache
   kvroute-sim --scenario noisy-neighbor                                  flow control under a burst
+  kvroute-sim --scenario replicas                                       replicas, sync off and on, faults
+  kvroute-sim --scenario replicas --replicas 1,16 --bus-latency-ms 20 --no-faults
   kvroute-sim --scenario noisy-neighbor --flow-control '{\"saturation_detector\":{\"kind\":\"utilization\"}}'";
 
 /// What to simulate.
@@ -88,6 +112,9 @@ enum Scenario {
     Routing,
     /// Flow control under one tenant's burst (see --help).
     NoisyNeighbor,
+    /// Router replicas behind a round-robin spray, state shared over a simulated bus or not
+    /// (see --help).
+    Replicas,
 }
 
 /// Compare LLM request-routing policies (round-robin, least-loaded, kvroute) on the same workload
@@ -95,8 +122,9 @@ enum Scenario {
 #[derive(Debug, Parser)]
 #[command(name = "kvroute-sim", version, after_long_help = AFTER_HELP)]
 struct Args {
-    /// What to simulate: `routing` (compare routing policies) or `noisy-neighbor` (flow control
-    /// under one tenant's burst; see --help).
+    /// What to simulate: `routing` (compare routing policies), `noisy-neighbor` (flow control
+    /// under one tenant's burst) or `replicas` (router replicas with and without sync, faults);
+    /// see --help.
     #[arg(long, value_enum, default_value_t = Scenario::Routing)]
     scenario: Scenario,
     /// noisy-neighbor: length of the schedule, seconds [default: 60; quick: 20].
@@ -106,6 +134,18 @@ struct Args {
     /// set per run).
     #[arg(long, value_name = "JSON")]
     flow_control: Option<String>,
+    /// replicas: replica counts to run, comma-separated (1 is always run: the reference).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", value_name = "LIST")]
+    replicas: Vec<u32>,
+    /// replicas: publish-to-delivery latency of the simulated bus, ms.
+    #[arg(long, default_value_t = 1, value_name = "MS")]
+    bus_latency_ms: u64,
+    /// replicas: how often each replica drains its outbox, ms.
+    #[arg(long, default_value_t = 2, value_name = "MS")]
+    flush_ms: u64,
+    /// replicas: skip the two fault runs (kill + restart, bus outage).
+    #[arg(long)]
+    no_faults: bool,
     /// Replay a JSONL trace instead of the synthetic workload (format: see --help).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
@@ -122,15 +162,16 @@ struct Args {
     /// Tenants (synthetic workload), each with its own system prompt and cache_salt.
     #[arg(long, default_value_t = DEFAULT_TENANTS, value_name = "N")]
     tenants: u32,
-    /// Sessions (synthetic workload) [default: 1000, or 80 with --quick].
+    /// Sessions (synthetic workload) [default: 1000, or 80 with --quick; replicas --quick: 240].
     #[arg(long, value_name = "N")]
     sessions: Option<u32>,
     /// Turns per session, `A-B` or `N` (synthetic workload).
     #[arg(long, default_value_t = DEFAULT_TURNS, value_name = "RANGE")]
     turns: Span,
-    /// Session arrival rate, sessions per second (synthetic workload).
-    #[arg(long, default_value_t = DEFAULT_RATE, value_name = "PER_S")]
-    rate: f64,
+    /// Session arrival rate, sessions per second (synthetic workload) [default: 2.5; replicas
+    /// --quick: 4].
+    #[arg(long, value_name = "PER_S")]
+    rate: Option<f64>,
     /// Random seed (synthetic workload): same seed, same workload, same results.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -153,7 +194,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "round-robin,least-loaded,kvroute", value_name = "LIST")]
     policies: Vec<PolicyKind>,
     /// Where to write the SVG chart [default: kvroute-sim.svg; noisy-neighbor:
-    /// kvroute-sim-noisy-neighbor.svg].
+    /// kvroute-sim-noisy-neighbor.svg; replicas: kvroute-sim-replicas.svg].
     #[arg(long, value_name = "PATH")]
     svg: Option<PathBuf>,
     /// Do not write the SVG chart.
@@ -210,18 +251,13 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<(), SimError> {
-    if args.scenario == Scenario::NoisyNeighbor {
-        return run_noisy(args);
+    match args.scenario {
+        Scenario::NoisyNeighbor => return run_noisy(args),
+        Scenario::Replicas => return run_replicas(args),
+        Scenario::Routing => {}
     }
     let started = Instant::now();
-    let policy = match &args.policy {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
-            Policy::from_str_auto(&text)?
-        }
-        None => Policy::default(),
-    };
+    let policy = load_policy(args)?;
     let policy_name = args.policy.as_ref().map_or_else(|| "default".to_owned(), |p| p.display().to_string());
     let cluster = ClusterConfig {
         endpoints: args.endpoints.unwrap_or(DEFAULT_ENDPOINTS),
@@ -243,7 +279,7 @@ fn run(args: &Args) -> Result<(), SimError> {
                 tenants: args.tenants,
                 sessions: args.sessions.unwrap_or(if args.quick { QUICK_SESSIONS } else { DEFAULT_SESSIONS }),
                 turns: args.turns,
-                rate_per_s: args.rate,
+                rate_per_s: args.rate.unwrap_or(DEFAULT_RATE),
                 seed: args.seed,
                 system_tokens: args.system_tokens,
                 user_tokens: args.user_tokens,
@@ -403,6 +439,124 @@ fn run_noisy(args: &Args) -> Result<(), SimError> {
     Ok(())
 }
 
+fn load_policy(args: &Args) -> Result<Policy, SimError> {
+    match &args.policy {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+            Ok(Policy::from_str_auto(&text)?)
+        }
+        None => Ok(Policy::default()),
+    }
+}
+
+fn cluster_of(args: &Args, endpoints: u32) -> ClusterConfig {
+    ClusterConfig {
+        endpoints: args.endpoints.unwrap_or(endpoints),
+        cache_tokens: args.cache_tokens,
+        kv_tokens: args.kv_tokens,
+        prefill_tokens_per_s: args.prefill_tps,
+        prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
+        tpot_ms: args.tpot_ms,
+        batch_reference: DEFAULT_BATCH_REFERENCE,
+        metrics_interval_ms: args.metrics_interval_ms,
+    }
+}
+
+/// `--scenario replicas`.
+fn run_replicas(args: &Args) -> Result<(), SimError> {
+    let started = Instant::now();
+    if args.trace.is_some() || args.workload != WorkloadKind::Agents {
+        return Err(SimError::Setting {
+            name: "scenario",
+            value: "replicas".into(),
+            reason: "runs the synthetic agent workload (--trace and --workload unique are not supported)",
+        });
+    }
+    let mut s = if args.quick {
+        replicas::ReplicasScenario::quick(args.seed)
+    } else {
+        replicas::ReplicasScenario::new(SyntheticConfig::default(), ClusterConfig::default())
+    };
+    s.cluster = cluster_of(args, DEFAULT_ENDPOINTS);
+    s.workload = SyntheticConfig {
+        tenants: args.tenants,
+        sessions: args.sessions.unwrap_or(s.workload.sessions),
+        turns: args.turns,
+        rate_per_s: args.rate.unwrap_or(s.workload.rate_per_s),
+        seed: args.seed,
+        system_tokens: args.system_tokens,
+        user_tokens: args.user_tokens,
+        output_tokens: args.output_tokens,
+        think_ms: args.think_ms,
+        ..s.workload
+    };
+    s.policy = load_policy(args)?;
+    s.replicas.clone_from(&args.replicas);
+    s.fault_replicas = args.replicas.iter().copied().max().unwrap_or(1).max(2);
+    s.faults = !args.no_faults;
+    s.bus.latency_ms = args.bus_latency_ms;
+    s.bus.flush_interval_ms = args.flush_ms;
+    s.validate()?;
+    let reqs = s.requests()?;
+    let span_s = reqs.last().map_or(0.0, |r| r.arrival_ms as f64 / 1000.0);
+    println!("kvroute-sim --scenario replicas");
+    println!("  {}", s.workload.describe());
+    println!("  {}", s.cluster.describe());
+    println!("  {} requests over {span_s:.0} s, sprayed round-robin over the replicas", reqs.len());
+    println!("  {}", s.describe());
+    let mut runs = Vec::new();
+    for spec in s.specs() {
+        let r = replicas::sim::run(&s, &reqs, &spec)?;
+        eprintln!("  [{:<44}] {} requests, {:.2} s", spec.name(), r.records.len(), r.wall_s);
+        runs.push(r);
+    }
+    let summaries = replicas::summarize(&s, &runs);
+    println!();
+    print!("{}", replicas::table(&summaries));
+    println!(
+        "hit rate = true cached / prompt tokens at the engine each request went to; vs 1 router = over the single \
+         router's; predicted = what the routers believed; batches and bytes per effect = published (heartbeats \
+         included) per routed decision, all replicas."
+    );
+    println!();
+    print!("{}", replicas::faults_text(&summaries));
+    println!();
+    print!("{}", replicas::targets_text(&replicas::targets(&s, &summaries)));
+    for r in &summaries {
+        for n in r
+            .notes
+            .iter()
+            .filter(|n| !n.contains(" killed at ") && !n.contains(" restarted at ") && !n.starts_with("bus "))
+        {
+            println!("  note ({}): {n}", r.name);
+        }
+    }
+    if !args.no_svg {
+        let path = args.svg.clone().unwrap_or_else(|| PathBuf::from("kvroute-sim-replicas.svg"));
+        let title = "kvroute-sim: router replicas, state shared over a bus or not";
+        let subtitle = format!(
+            "{} requests, {} endpoints, round-robin spray; bus latency {} ms, flush {} ms; seed {}",
+            reqs.len(),
+            s.cluster.endpoints,
+            s.bus.latency_ms,
+            s.bus.flush_interval_ms,
+            s.workload.seed
+        );
+        let chart = replicas::chart::render(&summaries, title, &subtitle);
+        std::fs::write(&path, chart).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+        println!("chart: {}", path.display());
+    }
+    if let Some(path) = &args.json {
+        let doc = replicas::results_json(&s, &summaries);
+        let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        std::fs::write(path, text).map_err(|e| SimError::Io { path: path.display().to_string(), source: e })?;
+        println!("results: {}", path.display());
+    }
+    eprintln!("kvroute-sim: done in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
 fn versus(k: &PolicyReport, other: &PolicyReport) -> String {
     let change = |a: f64, b: f64| if b > 0.0 { format!("{:+.0}%", (a / b - 1.0) * 100.0) } else { "n/a".into() };
     format!(
@@ -438,5 +592,13 @@ mod tests {
         assert!(a.quick && a.sessions.is_none());
         assert!(Args::try_parse_from(["kvroute-sim", "--policies", "random"]).is_err());
         assert!(Args::try_parse_from(["kvroute-sim", "--turns", "5-3"]).is_err());
+        let a = Args::try_parse_from(["kvroute-sim", "--scenario", "replicas", "--replicas", "1,16", "--no-faults"])
+            .map_err(|e| e.to_string());
+        let a = match a {
+            Ok(a) => a,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!((a.scenario, a.replicas.as_slice(), a.no_faults), (Scenario::Replicas, &[1, 16][..], true));
+        assert!(Args::try_parse_from(["kvroute-sim", "--replicas", "two"]).is_err());
     }
 }
