@@ -324,10 +324,11 @@ pub struct ReplayReport {
     pub batches: u64,
     /// Their bytes.
     pub bytes: u64,
-    /// Batches applied (the others: its own earlier incarnation's, ignored as own).
+    /// Batches applied (its own earlier incarnation's among them).
     pub applied: u64,
-    /// Batches of its own earlier incarnation (ignored by the core).
-    pub own_ignored: u64,
+    /// Batches of its own earlier incarnation: their cache and session state applied, their
+    /// requests in flight not (they died with it).
+    pub own_past: u64,
     /// Effects applied.
     pub effects: u64,
     /// Completions applied.
@@ -807,7 +808,7 @@ pub fn faults_text(runs: &[RunSummary]) -> String {
                 if let Some(p) = &r.replay {
                     out.push_str(&format!(
                         "    bootstrap: replayed {} of {} stream batches ({:.1} MiB, {:.0} ms of CPU here): {} effects \
-                         and {} completions applied, {} batches of its own earlier incarnation ignored; completions \
+                         and {} completions applied, {} of the batches its own earlier incarnation's (caches and sessions applied, requests in flight not); completions \
                          lost with the killed replica: {}\n",
                         p.batches,
                         p.stream_batches,
@@ -815,7 +816,7 @@ pub fn faults_text(runs: &[RunSummary]) -> String {
                         p.wall_us as f64 / 1000.0,
                         p.effects,
                         p.completions,
-                        p.own_ignored,
+                        p.own_past,
                         r.bus.completions_lost,
                     ));
                 }

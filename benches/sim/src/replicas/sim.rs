@@ -218,7 +218,7 @@ impl Loop<'_> {
                     Err(e) => self.notes.push(format!("replay: {e}")),
                 }
             }
-            rep.own_ignored = core.replica_stats().map_or(0, |s| s.own);
+            rep.own_past = core.replica_stats().map_or(0, |s| s.own_past_applied);
             rep.wall_us = t0.elapsed().as_micros() as u64;
         }
         for (id, m) in self.ids.iter().zip(self.sim.snapshots(now_ms)) {
