@@ -17,6 +17,10 @@ fn core(id: &str, epoch: u64) -> RouterCore {
     c
 }
 
+fn core_without_replication() -> RouterCore {
+    RouterCore::new(Policy::default())
+}
+
 fn prompt(i: usize) -> String {
     format!("{} conversation {i}", "shared system prompt ".repeat(60))
 }
@@ -120,6 +124,10 @@ fn decisions_and_completions_reach_the_other_replica() {
     assert_eq!(inflight_at(&b, &ep), 1, "only b's own request is left");
     let s = b.replica_stats().unwrap();
     assert_eq!((s.effects_applied, s.completions_applied, s.peers), (1, 1, 1));
+    let page = b.metrics_text(14);
+    assert!(page.contains("kvroute_replica_entries_total{direction=\"in\",kind=\"effect\"} 1\n"), "{page}");
+    assert!(page.contains("kvroute_replica_peers 1\n"));
+    assert!(!core_without_replication().metrics_text(14).contains("kvroute_replica_"));
     let s = a.replica_stats().unwrap();
     assert_eq!((s.batches_out, s.entries_out), (2, 2));
 }

@@ -125,10 +125,63 @@ impl RouterCore {
                 }
             }
         }
+        if let Some(r) = self.replica_stats() {
+            expose_replica(&r, &mut e);
+        }
         if self.active.policy.config().flow_control.enabled {
             let ctx = crate::flow::Ctx { policy: self.active.policy.config(), endpoints: &self.endpoints };
             self.flow.expose(&ctx, now_ms, &mut e);
         }
         e.finish()
     }
+}
+
+/// Replication counters (when replication is enabled).
+fn expose_replica(r: &crate::replica::ReplicaStats, e: &mut crate::metrics::Exposition) {
+    let n = "kvroute_replica_batches_total";
+    e.header(n, "counter", "Replica batches published (out, heartbeats included) and applied (in).");
+    e.sample(n, &[("direction", "out")], r.batches_out as f64);
+    e.sample(n, &[("direction", "in")], r.batches_in as f64);
+    let n = "kvroute_replica_entries_total";
+    e.header(n, "counter", "Replica entries published, and applied from other replicas, by kind.");
+    e.sample(n, &[("direction", "out"), ("kind", "any")], r.entries_out as f64);
+    e.sample(n, &[("direction", "in"), ("kind", "effect")], r.effects_applied as f64);
+    e.sample(n, &[("direction", "in"), ("kind", "completion")], r.completions_applied as f64);
+    let n = "kvroute_replica_skipped_total";
+    e.header(
+        n,
+        "counter",
+        "Entries of other replicas skipped: an unknown endpoint, a completion of a request not in flight.",
+    );
+    e.sample(n, &[("reason", "unknown_endpoint")], r.effects_unknown_endpoint as f64);
+    e.sample(n, &[("reason", "unknown_request")], r.completions_unknown as f64);
+    let n = "kvroute_replica_refused_total";
+    e.header(n, "counter", "Batches not applied, by reason.");
+    for (reason, v) in [
+        ("malformed", r.malformed),
+        ("unknown_replica", r.unknown_replica),
+        ("wrong_fleet", r.wrong_fleet),
+        ("duplicate", r.duplicates),
+        ("stale", r.stale),
+        ("own", r.own.saturating_sub(r.own_past_applied)),
+    ] {
+        e.sample(n, &[("reason", reason)], v as f64);
+    }
+    for (name, help, v) in [
+        ("kvroute_replica_gaps_total", "Batches of other replicas missing between two received.", r.gaps),
+        ("kvroute_replica_outbox_dropped_total", "Entries dropped from the full outbox.", r.outbox_dropped),
+        ("kvroute_replica_incarnations_total", "New incarnations (restarts) of other replicas seen.", r.incarnations),
+        (
+            "kvroute_replica_inflight_dropped_total",
+            "Other replicas' requests dropped from in flight: their replica restarted or went silent.",
+            r.inflight_dropped,
+        ),
+    ] {
+        e.header(name, "counter", help);
+        e.sample(name, &[], v as f64);
+    }
+    e.header("kvroute_replica_outbox_entries", "gauge", "Entries waiting to be published.");
+    e.sample("kvroute_replica_outbox_entries", &[], r.outbox_len as f64);
+    e.header("kvroute_replica_peers", "gauge", "Other replicas heard from.");
+    e.sample("kvroute_replica_peers", &[], r.peers as f64);
 }
