@@ -109,14 +109,21 @@ fn malformed_and_unknown_batches_are_counted_and_dropped_whole() {
     let from_x = kvroute::ReplicaBatch::encode_entries("test", "x", 1, 1, 1, &entry).unwrap();
     let mut cut = kvroute::ReplicaBatch::encode_entries("test", "b", 1, 2, 1, &entry).unwrap();
     cut.truncate(cut.len() - 3);
-    let raw =
-        Arc::new(Raw(std::sync::Mutex::new([b"not a batch".to_vec(), cut, from_x, from_b].into_iter().collect())));
-    let rr = Replicator::start_port(raw, opts(&nats, "raw")).unwrap();
-    assert!(wait_until(30, || ra.stats().replica.effects_applied == 1).is_some(), "{:?}", ra.stats());
+    let raw = |batches: Vec<Vec<u8>>| Arc::new(Raw(std::sync::Mutex::new(batches.into_iter().collect())));
+    // On b's subject: garbage, a cut batch, then a valid one.
+    let rb = Replicator::start_port(raw(vec![b"not a batch".to_vec(), cut, from_b.clone()]), opts(&nats, "b")).unwrap();
+    // x is not in a's allowed list; y speaks for b on its own subject.
+    let rx = Replicator::start_port(raw(vec![from_x]), opts(&nats, "x")).unwrap();
+    let ry = Replicator::start_port(raw(vec![from_b]), opts(&nats, "y")).unwrap();
+    let done = || {
+        let s = ra.stats();
+        s.replica.effects_applied == 1 && s.replica.unknown_replica == 1 && s.spoofed == 1 && s.replica.malformed == 2
+    };
+    assert!(wait_until(30, done).is_some(), "{:?}", ra.stats());
     let s = ra.stats().replica;
     assert_eq!((s.malformed, s.unknown_replica, s.batches_in), (2, 1, 1), "{s:?}");
     assert_eq!(a.stats().inflight_requests, 1);
-    drop(rr);
+    drop((rb, rx, ry));
 }
 
 #[test]

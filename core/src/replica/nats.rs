@@ -259,6 +259,8 @@ pub struct ReplicatorStats {
     pub inbound_ready: bool,
     /// Times the inbound side (stream, consumer or subscription) had to be set up again.
     pub inbound_restarts: u64,
+    /// Batches dropped because they name another replica than their subject does.
+    pub spoofed: u64,
     /// Server-reported errors (authorization among them) and client errors.
     pub server_errors: u64,
     /// The last error seen, if any.
@@ -280,6 +282,7 @@ struct Shared {
     received_bytes: AtomicU64,
     inbound_ready: AtomicBool,
     inbound_restarts: AtomicU64,
+    spoofed: AtomicU64,
     server_errors: AtomicU64,
     last_error: Mutex<Option<String>>,
 }
@@ -355,6 +358,7 @@ impl Replicator {
             received_bytes: s.received_bytes.load(Ordering::Relaxed),
             inbound_ready: s.inbound_ready.load(Ordering::Relaxed),
             inbound_restarts: s.inbound_restarts.load(Ordering::Relaxed),
+            spoofed: s.spoofed.load(Ordering::Relaxed),
             server_errors: s.server_errors.load(Ordering::Relaxed),
             last_error: s.last_error.lock().ok().and_then(|g| g.clone()),
             replica: self.port.replica_stats().unwrap_or_default(),
@@ -423,7 +427,15 @@ fn connect_options(opts: &NatsReplicaOptions) -> Result<async_nats::ConnectOptio
 }
 
 /// Payloads with their stream sequence (0 without a stream).
-type Inbound = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<(bytes::Bytes, u64), String>> + Send>>;
+/// One received batch: its payload, its stream sequence (0 without a stream) and the replica its
+/// subject names.
+struct Received {
+    payload: bytes::Bytes,
+    stream_seq: u64,
+    subject: async_nats::Subject,
+}
+
+type Inbound = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Received, String>> + Send>>;
 
 async fn run(
     router: Arc<dyn ReplicaPort>,
@@ -506,11 +518,18 @@ async fn run(
             _ = tick.tick() => {}
             _ = wake.notified() => {}
             m = next(&mut inbound) => match m {
-                Some(Ok((payload, stream_seq))) => {
-                    last_stream_seq = last_stream_seq.max(stream_seq);
+                Some(Ok(m)) => {
+                    last_stream_seq = last_stream_seq.max(m.stream_seq);
                     shared.received.fetch_add(1, Ordering::Relaxed);
-                    shared.received_bytes.fetch_add(payload.len() as u64, Ordering::Relaxed);
-                    router.apply(&payload, unix_time_ms());
+                    shared.received_bytes.fetch_add(m.payload.len() as u64, Ordering::Relaxed);
+                    // A batch must name the replica its subject names: with per-user publish
+                    // permissions on `kvroute.<fleet>.fx.<replica>`, no replica can speak for
+                    // another.
+                    if batch_replica(&m.payload).is_some_and(|r| !m.subject.ends_with(&format!(".{r}"))) {
+                        shared.spoofed.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    router.apply(&m.payload, unix_time_ms());
                     continue;
                 }
                 Some(Err(e)) => {
@@ -548,7 +567,19 @@ async fn run(
     .await;
 }
 
-async fn next(inbound: &mut Option<Inbound>) -> Option<Result<(bytes::Bytes, u64), String>> {
+/// The replica id a batch names (`None` if the bytes are too short to say: the router then
+/// counts the batch malformed).
+fn batch_replica(b: &[u8]) -> Option<&str> {
+    if b.len() < 6 || &b[..4] != super::BATCH_MAGIC {
+        return None;
+    }
+    let fleet = usize::from(b[5]);
+    let at = 6 + fleet;
+    let n = usize::from(*b.get(at)?);
+    std::str::from_utf8(b.get(at + 1..at + 1 + n)?).ok()
+}
+
+async fn next(inbound: &mut Option<Inbound>) -> Option<Result<Received, String>> {
     match inbound {
         Some(s) => s.next().await,
         None => std::future::pending().await,
@@ -594,7 +625,7 @@ async fn open_inbound(client: &async_nats::Client, opts: &NatsReplicaOptions, af
     let filter = format!("kvroute.{}.fx.*", opts.fleet);
     let Some(so) = &opts.stream else {
         let sub = client.subscribe(filter).await.map_err(|e| e.to_string())?;
-        return Ok(Box::pin(sub.map(|m| Ok((m.payload, 0)))));
+        return Ok(Box::pin(sub.map(|m| Ok(Received { payload: m.payload, stream_seq: 0, subject: m.subject }))));
     };
     let js = jetstream::new(client.clone());
     let stream = js
@@ -630,6 +661,7 @@ async fn open_inbound(client: &async_nats::Client, opts: &NatsReplicaOptions, af
     Ok(Box::pin(msgs.map(|m| {
         let m = m.map_err(|e| e.to_string())?;
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
-        Ok((m.message.payload, seq))
+        let m = m.message;
+        Ok(Received { payload: m.payload, stream_seq: seq, subject: m.subject })
     })))
 }
