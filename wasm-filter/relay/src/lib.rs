@@ -18,6 +18,9 @@
 //! before the batch that starts the stream again: the relay forwards it as a resync notice
 //! ahead of that batch.
 //!
+//! With a `replica` section the relay is also its Envoy's link to the other router replicas of
+//! its fleet over NATS ([`replica`]: the filter's shared log out, the others' batches in).
+//!
 //! Per target, one forwarding thread POSTs in order; when the filter answers 409 (it missed
 //! batches: a POST was lost, or its Envoy restarted mid-stream) the relay POSTs a resync notice
 //! and the batch again, which the filter then accepts as a fresh start.
