@@ -601,3 +601,80 @@ impl Poster {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn port(queue: usize) -> (Port, Receiver<Vec<u8>>) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(queue);
+        let port = Port {
+            fleet: "f".into(),
+            replica_id: "me".into(),
+            max_batch_entries: 2,
+            max_batch_bytes: 1 << 20,
+            max_pending: 3,
+            filter_silence_ms: 1000,
+            out: Mutex::new(Outbound { epoch: 100, seq: 0, pending: VecDeque::new(), log_id: None, last_answer_ms: 0 }),
+            inbound: tx,
+            counters: Arc::new(Counters::default()),
+        };
+        (port, rx)
+    }
+
+    fn export(ids: &[&str]) -> ReplicaBatch {
+        ReplicaBatch {
+            fleet: "f".into(),
+            replica: "me".into(),
+            epoch: 7,
+            seq: 0,
+            sent_ms: 0,
+            entries: ids.iter().map(|i| ReplicaEntry::Complete((*i).to_owned())).collect(),
+        }
+    }
+
+    #[test]
+    fn batches_carry_the_relays_identity_epoch_and_growing_sequence_numbers() {
+        let (p, _rx) = port(4);
+        assert_eq!(p.take_batch(1000, true), None, "no heartbeat before the filter answered");
+        assert!(p.exported(7, export(&["a", "b", "c"]), 1000));
+        let b = ReplicaBatch::decode(&p.take_batch(1001, false).unwrap()).unwrap();
+        assert_eq!((b.fleet.as_str(), b.replica.as_str(), b.epoch, b.seq, b.entries.len()), ("f", "me", 100, 1, 2));
+        let b = ReplicaBatch::decode(&p.take_batch(1002, false).unwrap()).unwrap();
+        assert_eq!((b.seq, b.entries), (2, vec![ReplicaEntry::Complete("c".into())]));
+        assert_eq!(p.take_batch(1003, false), None);
+        // Heartbeats while the filter answers, not after `filter_silence_ms`.
+        let hb = ReplicaBatch::decode(&p.take_batch(1500, true).unwrap()).unwrap();
+        assert_eq!((hb.seq, hb.entries.len()), (3, 0));
+        assert_eq!(p.take_batch(2001, true), None);
+        // The pending queue is bounded: the oldest go first.
+        assert!(p.exported(7, export(&["1", "2", "3", "4"]), 3000));
+        assert_eq!(p.counters.pending_dropped.load(Ordering::Relaxed), 1);
+        let b = ReplicaBatch::decode(&p.take_batch(3001, false).unwrap()).unwrap();
+        assert_eq!(b.entries[0], ReplicaEntry::Complete("2".into()));
+        // The filter's log changed (Envoy restarted): a new epoch, numbered from 1, and what
+        // waited of the old log is dropped.
+        assert!(!p.exported(8, export(&["x"]), 5000));
+        assert!(p.exported(8, export(&["y"]), 5000));
+        let b = ReplicaBatch::decode(&p.take_batch(5001, false).unwrap()).unwrap();
+        assert_eq!((b.epoch, b.seq, b.entries), (5000, 1, vec![ReplicaEntry::Complete("y".into())]));
+        assert_eq!(p.counters.envoy_restarts.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn inbound_batches_skip_our_own_and_the_queue_is_bounded() {
+        let (p, rx) = port(1);
+        let theirs = ReplicaBatch::encode_entries("f", "other", 1, 1, 0, &[]).unwrap();
+        let ours = ReplicaBatch::encode_entries("f", "me", 1, 1, 0, &[]).unwrap();
+        p.apply(&ours, 0);
+        p.apply(b"junk", 0);
+        p.apply(&theirs, 0);
+        p.apply(&theirs, 0);
+        assert_eq!(rx.try_recv().unwrap(), theirs);
+        assert!(rx.try_recv().is_err());
+        let c = &p.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        assert_eq!((g(&c.received), g(&c.own), g(&c.malformed), g(&c.queue_dropped)), (4, 1, 1, 1));
+    }
+}
