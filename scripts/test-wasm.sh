@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-# The relay links the system libzmq (rust-zmq finds it with pkg-config).
-for pkg in libzmq3-dev pkg-config; do
+# The relay links the system libzmq (rust-zmq finds it with pkg-config); the replica test across
+# two Envoys (tests/tests/replica_nats.rs) starts a real nats-server on loopback.
+for pkg in libzmq3-dev pkg-config nats-server; do
     dpkg -s "$pkg" >/dev/null 2>&1 || (apt-get update && apt-get install -y "$pkg")
 done
 rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
@@ -35,7 +36,7 @@ cargo clippy -p kvroute-wasm --target wasm32-wasip1 -- -D warnings
 step "rustdoc"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps "${CRATES[@]}"
 
-step "tests (filter units, host ABI, relay, filter in the host: golden, requests, events, shared state, reconfiguration, 100k load)"
+step "tests (filter units, host ABI, relay, filter in the host: golden, requests, events, shared state, replicas over NATS, reconfiguration, 100k load)"
 # The tests use the .wasm built above (no second build from inside the test processes).
 KVROUTE_FILTER_NO_BUILD=1 cargo test "${CRATES[@]}"
 

@@ -181,6 +181,106 @@ fn default_event_max_body() -> usize {
     DEFAULT_EVENT_MAX_BODY_BYTES
 }
 
+/// Default path prefix of the replica routes (`<path>/out`, `<path>/in`).
+pub const DEFAULT_REPLICA_PATH: &str = "/kvroute/v1/replica";
+/// Default bound of one replica batch, answered or posted (bytes): NATS' default payload limit.
+pub const DEFAULT_REPLICA_MAX_BATCH_BYTES: usize = 1 << 20;
+/// Default bound of the entries of one exported batch.
+pub const DEFAULT_REPLICA_MAX_BATCH_ENTRIES: usize = 512;
+
+/// Router replicas across Envoys (over NATS, through the relay): this Envoy's identity in its
+/// fleet, and the two routes the relay uses (see `crate::ingest`, "Replica routes"). Absent:
+/// no replica routes, no replication.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaSection {
+    /// The fleet (`[A-Za-z0-9_-]`, 1..64): batches of another fleet are ignored.
+    pub fleet: String,
+    /// This Envoy's replica id in the fleet, the relay's `replica_id` (`[A-Za-z0-9_-]`, 1..64):
+    /// batches carrying it are this Envoy's own and are ignored.
+    pub replica_id: String,
+    /// Path prefix of the routes: `GET <path>/out` and `POST <path>/in`. Default
+    /// `/kvroute/v1/replica`.
+    #[serde(default = "default_replica_path")]
+    pub path: String,
+    /// Shared secret with the relay (at least 16 bytes), the key of the HMAC-SHA256 signatures.
+    pub secret: String,
+    /// Largest difference between a signed timestamp and the filter's clock (ms). Default 30 000.
+    #[serde(default = "default_signature_window")]
+    pub signature_window_ms: u64,
+    /// Largest batch the filter answers or accepts (bytes). Default 1 MiB.
+    #[serde(default = "default_replica_max_bytes")]
+    pub max_batch_bytes: usize,
+    /// Most entries per exported batch. Default 512.
+    #[serde(default = "default_replica_max_entries")]
+    pub max_batch_entries: usize,
+    /// A replica heard from neither by a batch nor a heartbeat for this long is gone: its
+    /// requests in flight here are dropped (ms). Default 30 000.
+    #[serde(default = "default_peer_silence")]
+    pub peer_silence_ms: u64,
+    /// Replica ids whose batches are applied (empty: any of the fleet).
+    #[serde(default)]
+    pub allowed_replicas: Vec<String>,
+}
+
+/// The two replica routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaRoute {
+    /// `GET <path>/out`: the shared log's effects and completions, for the relay to publish.
+    Out,
+    /// `POST <path>/in`: another replica's batch, from the relay.
+    In,
+}
+
+fn default_replica_path() -> String {
+    DEFAULT_REPLICA_PATH.to_owned()
+}
+fn default_replica_max_bytes() -> usize {
+    DEFAULT_REPLICA_MAX_BATCH_BYTES
+}
+fn default_replica_max_entries() -> usize {
+    DEFAULT_REPLICA_MAX_BATCH_ENTRIES
+}
+fn default_peer_silence() -> u64 {
+    30_000
+}
+
+impl ReplicaSection {
+    /// The export route.
+    pub fn out_path(&self) -> String {
+        format!("{}/out", self.path.trim_end_matches('/'))
+    }
+
+    /// The ingestion route.
+    pub fn in_path(&self) -> String {
+        format!("{}/in", self.path.trim_end_matches('/'))
+    }
+
+    /// Which replica route `path` (without its query) is, if any (no allocation: this runs for
+    /// every request).
+    pub fn route(&self, path: &str) -> Option<ReplicaRoute> {
+        match path.strip_prefix(self.path.trim_end_matches('/'))? {
+            "/out" => Some(ReplicaRoute::Out),
+            "/in" => Some(ReplicaRoute::In),
+            _ => None,
+        }
+    }
+
+    /// The core's replication settings for a VM's router: apply-only (the VMs' own decisions
+    /// reach the fleet through the shared log and the relay, under the relay's epoch).
+    pub fn core_config(&self) -> kvroute::ReplicaConfig {
+        kvroute::ReplicaConfig {
+            fleet: self.fleet.clone(),
+            replica_id: self.replica_id.clone(),
+            epoch: 1,
+            allowed_replicas: self.allowed_replicas.clone(),
+            publish: false,
+            peer_silence_ms: self.peer_silence_ms,
+            ..kvroute::ReplicaConfig::default()
+        }
+    }
+}
+
 /// What happens when the filter cannot route a request with the core (malformed body, no
 /// endpoint, internal error).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -259,6 +359,9 @@ pub struct FilterSection {
     /// The shared log.
     #[serde(default)]
     pub sync: SyncConfig,
+    /// Router replicas across Envoys (the relay carries batches between this Envoy and NATS).
+    #[serde(default)]
+    pub replica: Option<ReplicaSection>,
     /// Set `x-kvroute-decision` (the decision as JSON) on routed requests and shed answers.
     /// For debugging and tests: it is large (one score per endpoint).
     #[serde(default)]
@@ -359,6 +462,26 @@ impl PluginConfig {
                 return Err(err("filter.stats_path", "must differ from filter.events.path"));
             }
         }
+        if let Some(r) = &f.replica {
+            r.core_config().validate().map_err(|e| err("filter.replica", e.to_string()))?;
+            check_path("filter.replica.path", &r.path)?;
+            let taken = [f.events.as_ref().map(|e| e.path.as_str()), f.stats_path.as_deref()];
+            if [r.out_path(), r.in_path()].iter().any(|p| taken.contains(&Some(p.as_str()))) {
+                return Err(err("filter.replica.path", "its routes must differ from the event and stats paths"));
+            }
+            if r.secret.len() < MIN_SECRET_BYTES {
+                return Err(err("filter.replica.secret", format!("must be at least {MIN_SECRET_BYTES} bytes")));
+            }
+            if r.signature_window_ms == 0 {
+                return Err(err("filter.replica.signature_window_ms", "must be positive"));
+            }
+            if !(1024..=64 << 20).contains(&r.max_batch_bytes) {
+                return Err(err("filter.replica.max_batch_bytes", "must be within 1024..64 MiB"));
+            }
+            if !(1..=65_536).contains(&r.max_batch_entries) {
+                return Err(err("filter.replica.max_batch_entries", "must be within 1..65536"));
+            }
+        }
         if f.stats_secret.as_ref().is_some_and(|s| s.len() < MIN_SECRET_BYTES) {
             return Err(err("filter.stats_secret", format!("must be at least {MIN_SECRET_BYTES} bytes")));
         }
@@ -455,6 +578,23 @@ mod tests {
         bad(r#"{"filter": {"endpoints": [], "sync": {"ring_entries": 2}}}"#, "filter.sync.ring_entries");
         bad(r#"{"filter": {"endpoints": [], "sync": {"namespace": ""}}}"#, "filter.sync.namespace");
         bad(r#"{"filter": {"endpoints": [], "fail_open": {"reject_status": 42}}}"#, "filter.fail_open.reject_status");
+        let replica = |extra: &str| {
+            format!(
+                r#"{{"filter": {{"endpoints": [], "stats_path": "/kvroute/v1/replica/out",
+                   "replica": {{"fleet": "f", "replica_id": "r1", "secret": "0123456789abcdef"{extra}}}}}}}"#
+            )
+        };
+        bad(&replica(""), "filter.replica.path");
+        bad(&replica(r#", "path": "/r", "fleet": "a.b""#), "filter.replica");
+        bad(&replica(r#", "path": "/r", "secret": "short""#), "filter.replica.secret");
+        bad(&replica(r#", "path": "/r", "max_batch_bytes": 10"#), "filter.replica.max_batch_bytes");
+        let ok = PluginConfig::parse(replica(r#", "path": "/r/""#).as_bytes()).unwrap().filter.replica.unwrap();
+        assert_eq!((ok.out_path().as_str(), ok.in_path().as_str()), ("/r/out", "/r/in"));
+        assert!(!ok.core_config().publish);
+        assert_eq!(ok.route("/r/out"), Some(ReplicaRoute::Out));
+        assert_eq!(ok.route("/r/in"), Some(ReplicaRoute::In));
+        assert_eq!(ok.route("/r/inx"), None);
+        assert_eq!(ok.route("/x/in"), None);
     }
 
     #[test]

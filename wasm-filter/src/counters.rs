@@ -64,11 +64,26 @@ pub enum Counter {
     /// Held requests released without waiting for their turn because this VM lost shared-log
     /// entries (fail-open of the queue).
     FlowFailOpen,
+    /// Export reads answered (`GET <replica path>/out`).
+    ReplicaOut,
+    /// Entries exported to the relay.
+    ReplicaOutEntries,
+    /// Entries the ring overwrote before the relay read them (lost to the other replicas).
+    ReplicaOutLost,
+    /// Other replicas' batches posted and applied (heartbeats included).
+    ReplicaIn,
+    /// Other replicas' batches posted and ignored by the core's judgment (own, duplicate, stale,
+    /// another fleet's, a replica not allowed).
+    ReplicaInIgnored,
+    /// Replica requests refused as malformed (400), too large (413) or with a bad method (405).
+    ReplicaRejected,
+    /// Replica requests with a missing, wrong or stale signature (401).
+    ReplicaUnauthorized,
 }
 
 impl Counter {
     /// Every counter, in exposition order.
-    pub const ALL: [Counter; 28] = [
+    pub const ALL: [Counter; 35] = [
         Counter::Requests,
         Counter::Routed,
         Counter::Shed,
@@ -97,6 +112,13 @@ impl Counter {
         Counter::FlowDropped,
         Counter::FlowCancelled,
         Counter::FlowFailOpen,
+        Counter::ReplicaOut,
+        Counter::ReplicaOutEntries,
+        Counter::ReplicaOutLost,
+        Counter::ReplicaIn,
+        Counter::ReplicaInIgnored,
+        Counter::ReplicaRejected,
+        Counter::ReplicaUnauthorized,
     ];
 
     /// Metric name (`kvroute_wasm_…_total`).
@@ -130,21 +152,39 @@ impl Counter {
             Counter::FlowDropped => "kvroute_wasm_flow_dropped_total",
             Counter::FlowCancelled => "kvroute_wasm_flow_cancelled_total",
             Counter::FlowFailOpen => "kvroute_wasm_flow_fail_open_total",
+            Counter::ReplicaOut => "kvroute_wasm_replica_out_reads_total",
+            Counter::ReplicaOutEntries => "kvroute_wasm_replica_out_entries_total",
+            Counter::ReplicaOutLost => "kvroute_wasm_replica_out_lost_total",
+            Counter::ReplicaIn => "kvroute_wasm_replica_in_batches_total",
+            Counter::ReplicaInIgnored => "kvroute_wasm_replica_in_ignored_total",
+            Counter::ReplicaRejected => "kvroute_wasm_replica_rejected_total",
+            Counter::ReplicaUnauthorized => "kvroute_wasm_replica_unauthorized_total",
         }
     }
 }
 
 /// The counters of one VM.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Counters {
     values: [u64; Counter::ALL.len()],
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters { values: [0; Counter::ALL.len()] }
+    }
 }
 
 impl Counters {
     /// Add one.
     pub fn bump(&mut self, c: Counter) {
+        self.add(c, 1);
+    }
+
+    /// Add `n`.
+    pub fn add(&mut self, c: Counter, n: u64) {
         let v = &mut self.values[c as usize];
-        *v = v.saturating_add(1);
+        *v = v.saturating_add(n);
     }
 
     /// Current value.
@@ -178,6 +218,30 @@ impl Counters {
         }
         out
     }
+}
+
+/// Prometheus text of the core's replication counters as one VM's router sees them (the other
+/// replicas' batches it applied; the same on every VM of an Envoy).
+pub fn replica_exposition(r: &kvroute::ReplicaStats) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    for (name, v) in [
+        ("kvroute_wasm_replica_batches_applied_total", r.batches_in),
+        ("kvroute_wasm_replica_effects_applied_total", r.effects_applied),
+        ("kvroute_wasm_replica_completions_applied_total", r.completions_applied),
+        ("kvroute_wasm_replica_completions_unknown_total", r.completions_unknown),
+        ("kvroute_wasm_replica_effects_unknown_endpoint_total", r.effects_unknown_endpoint),
+        ("kvroute_wasm_replica_duplicates_total", r.duplicates),
+        ("kvroute_wasm_replica_stale_total", r.stale),
+        ("kvroute_wasm_replica_gaps_total", r.gaps),
+        ("kvroute_wasm_replica_incarnations_total", r.incarnations),
+        ("kvroute_wasm_replica_inflight_dropped_total", r.inflight_dropped),
+        ("kvroute_wasm_replica_ignored_total", r.own + r.wrong_fleet + r.unknown_replica),
+    ] {
+        let _ = writeln!(out, "# TYPE {name} counter\n{name} {v}");
+    }
+    let _ = writeln!(out, "# TYPE kvroute_wasm_replica_peers gauge\nkvroute_wasm_replica_peers {}", r.peers);
+    out
 }
 
 #[cfg(test)]

@@ -29,12 +29,13 @@ use crate::host::{
 };
 use kvroute::{
     Admission, Decision, EndpointSpec, EventIngestError, MetricsSnapshot, Rejection, Release, ReleaseOutcome,
-    RequestError, RouteError, RouteRequest, RouterCore, RoutingEffect, StateError, Ticket, HEADER_DESTINATION,
+    ReplicaBatch, ReplicaEntryRef, RequestError, RouteError, RouteRequest, RouterCore, RoutingEffect, StateError,
+    Ticket, HEADER_DESTINATION,
 };
 
 use crate::config::{
-    path_only, PluginConfig, HEADER_DECISION, HEADER_FALLBACK, HEADER_STATS_SECRET, KVROUTE_HEADER_PREFIX,
-    ROUTING_HEADERS,
+    path_only, PluginConfig, ReplicaRoute, ReplicaSection, HEADER_DECISION, HEADER_FALLBACK, HEADER_STATS_SECRET,
+    KVROUTE_HEADER_PREFIX, ROUTING_HEADERS,
 };
 use crate::counters::{Counter, Counters};
 use crate::ingest::{self, EventPost, PostKind};
@@ -191,12 +192,19 @@ struct Shared {
 
 impl Shared {
     fn bump(&self, c: Counter) {
+        self.add(c, 1);
+    }
+
+    fn add(&self, c: Counter, n: u64) {
+        if n == 0 {
+            return;
+        }
         if let Ok(mut k) = self.counters.try_borrow_mut() {
-            k.bump(c);
+            k.add(c, n);
         }
         if let Ok(mut u) = self.unflushed.try_borrow_mut() {
-            if let Some(n) = u.get_mut(c as usize) {
-                *n += 1;
+            if let Some(v) = u.get_mut(c as usize) {
+                *v = v.saturating_add(n);
             }
         }
     }
@@ -472,6 +480,10 @@ fn apply_entry(
                 router.forget_replica(local);
             }
         }
+        // Judged by this VM's router (it sees the batches in the log's order, as the writer did).
+        Entry::Replica(bytes) => {
+            router.apply_replica_bytes(bytes, now).map_err(|e| e.to_string())?;
+        }
     }
     Ok(false)
 }
@@ -551,6 +563,7 @@ impl Root {
                 let mut router = RouterCore::new(cfg.policy.clone());
                 router.record_effects(true);
                 sync_endpoints(&mut router, &cfg)?;
+                sync_replication(&mut router, &cfg)?;
                 let mut a = Active {
                     router,
                     log: SharedLog::new(&cfg.filter.sync.namespace, cfg.filter.sync.ring_entries, instance),
@@ -570,6 +583,7 @@ impl Root {
                     log(LogLevel::Info, &format!("kvroute: policy version {version} active"));
                 }
                 sync_endpoints(&mut a.router, &cfg)?;
+                sync_replication(&mut a.router, &cfg)?;
                 let (old, new) = (&a.cfg.filter.sync, &cfg.filter.sync);
                 if old.namespace != new.namespace || old.ring_entries != new.ring_entries {
                     // The replicas came from the old log; the other VMs move to the new one too.
@@ -603,6 +617,7 @@ impl Root {
         let Ok(mut slot) = self.shared.active.try_borrow_mut() else { return };
         let Some(a) = slot.as_mut() else { return };
         a.sync(&self.shared, now);
+        a.router.expire_silent_replicas(now);
         a.flow.prune(now);
         if a.flow_opportunity(&self.shared, now, self.context_id) {
             let _ = hostcalls::set_effective_context(self.context_id);
@@ -689,6 +704,20 @@ impl Root {
                     a.polls.insert(t, (ep, now));
                 }
             }
+        }
+    }
+}
+
+/// Turn replication on (apply-only) or off as the configuration says. The peers' state is kept
+/// across reconfigurations with the same fleet and replica id.
+fn sync_replication(router: &mut RouterCore, cfg: &PluginConfig) -> Result<(), String> {
+    match &cfg.filter.replica {
+        Some(r) => router.enable_replication(r.core_config()).map_err(|e| e.to_string()),
+        None => {
+            if router.replica_config().is_some() {
+                router.disable_replication();
+            }
+            Ok(())
         }
     }
 }
@@ -842,6 +871,8 @@ enum Phase {
     Event(EventPost, Option<Signed>),
     /// Held by flow control (paused; its request waits in [`FlowHold`]).
     Held,
+    /// A replica batch posted by the relay: buffering its body (verified with its signature).
+    ReplicaIn(Signed),
     /// Done with it (routed, answered locally, or passed through).
     Done,
 }
@@ -880,7 +911,12 @@ fn set_header(name: &str, value: &str) -> bool {
 
 /// Answers the request locally. `false`: the host refused (logged).
 fn reply(status: u32, headers: Vec<(&str, &str)>, body: &str) -> bool {
-    match hostcalls::send_http_response(status, headers, Some(body.as_bytes())) {
+    reply_bytes(status, headers, body.as_bytes())
+}
+
+/// [`reply`] with a binary body.
+fn reply_bytes(status: u32, headers: Vec<(&str, &str)>, body: &[u8]) -> bool {
+    match hostcalls::send_http_response(status, headers, Some(body)) {
         Ok(()) => true,
         Err(s) => {
             log(LogLevel::Warn, &format!("kvroute: local reply {status} refused by the host: {s:?}"));
@@ -1329,6 +1365,238 @@ impl Http {
         }
     }
 
+    /// The signature of a replica route request (timestamp checked; the MAC is verified by the
+    /// caller, over what it covers).
+    fn replica_signed(&self, r: &ReplicaSection) -> Result<Signed, (&'static str, String)> {
+        let sig = self
+            .header(ingest::HEADER_SIGNATURE)
+            .ok_or_else(|| ("unauthorized", format!("{} required", ingest::HEADER_SIGNATURE)))?;
+        let signature = ingest::parse_signature(sig).map_err(|d| ("unauthorized", d))?;
+        let ts = ingest::parse_timestamp(self.header(ingest::HEADER_TIMESTAMP)).map_err(|d| ("unauthorized", d))?;
+        if !ingest::timestamp_fresh(ts, now_ms(), r.signature_window_ms) {
+            return Err(("stale", format!("{} outside the signature window", ingest::HEADER_TIMESTAMP)));
+        }
+        Ok(Signed { signature, timestamp_ms: ts })
+    }
+
+    fn replica_refused(&self, status: u32, error: &str, detail: &str) -> Action {
+        let counter = if status == 401 { Counter::ReplicaUnauthorized } else { Counter::ReplicaRejected };
+        self.shared.bump(counter);
+        log(LogLevel::Warn, &format!("kvroute: replica request refused ({status} {error}): {detail}"));
+        json_reply(status, &ingest::error_body(error, detail));
+        Action::Pause
+    }
+
+    /// `GET <replica path>/out?cursor=N`: the shared log's effects and completions from `N` on, as
+    /// one replica batch for the relay (see `crate::ingest`).
+    fn replica_out(&mut self, r: &ReplicaSection) -> Action {
+        self.phase = Phase::Done;
+        if self.header(":method") != Some("GET") {
+            return self.replica_refused(405, "method_not_allowed", "GET only");
+        }
+        let cursor = match ingest::parse_cursor(self.header(":path").unwrap_or_default()) {
+            Ok(c) => c,
+            Err(d) => return self.replica_refused(400, "bad_request", &d),
+        };
+        let signed = match self.replica_signed(r) {
+            Ok(s) => s,
+            Err((e, d)) => return self.replica_refused(401, e, &d),
+        };
+        if !ingest::verify_replica_signature(
+            r.secret.as_bytes(),
+            "out",
+            cursor,
+            signed.timestamp_ms,
+            &[],
+            &signed.signature,
+        ) {
+            return self.replica_refused(401, "unauthorized", "wrong x-kvroute-signature");
+        }
+        let now = now_ms();
+        let Ok(mut slot) = self.shared.active.try_borrow_mut() else {
+            self.shared.bump(Counter::InternalErrors);
+            json_reply(503, &ingest::error_body("busy", "state busy"));
+            return Action::Pause;
+        };
+        let Some(a) = slot.as_mut() else {
+            json_reply(503, &ingest::error_body("unconfigured", "no configuration"));
+            return Action::Pause;
+        };
+        a.sync(&self.shared, now);
+        /// An exported entry, its request id qualified by the writing VM.
+        enum Out {
+            Effect(Vec<u8>),
+            Complete(String),
+        }
+        let (max_entries, max_bytes) = (r.max_batch_entries, r.max_batch_bytes);
+        // The batch header with the longest ids, and each entry's framing.
+        let mut bytes = 4 + 1 + 2 * 65 + 3 * 8 + 4;
+        let mut entries: Vec<Out> = Vec::new();
+        let mut undecodable = 0u64;
+        let read = a.log.export(&mut HostStore, cursor, |origin, entry| {
+            let out = match entry {
+                Entry::Effect(b) => match RoutingEffect::decode(b) {
+                    Ok(mut e) => {
+                        e.request_id = sync::export_request_id(origin, &e.request_id);
+                        Out::Effect(e.encode())
+                    }
+                    Err(_) => {
+                        undecodable += 1;
+                        return true;
+                    }
+                },
+                Entry::Complete(id) => Out::Complete(sync::export_request_id(origin, id)),
+                _ => return true,
+            };
+            let n = 5 + match &out {
+                Out::Effect(b) => b.len(),
+                Out::Complete(id) => id.len(),
+            };
+            if entries.len() >= max_entries || (!entries.is_empty() && bytes + n > max_bytes) {
+                return false;
+            }
+            bytes += n;
+            entries.push(out);
+            true
+        });
+        let read = match read {
+            Ok(x) => x,
+            Err(e) => {
+                drop(slot);
+                self.shared.bump(Counter::SyncErrors);
+                log(LogLevel::Warn, &format!("kvroute: reading the shared log for the relay: {e}"));
+                json_reply(503, &ingest::error_body("internal", "shared log unreadable"));
+                return Action::Pause;
+            }
+        };
+        let log_id = a.log.log_id(&mut HostStore, now);
+        drop(slot);
+        if undecodable > 0 {
+            self.shared.add(Counter::SyncErrors, undecodable);
+        }
+        let refs: Vec<ReplicaEntryRef<'_>> = entries
+            .iter()
+            .map(|e| match e {
+                Out::Effect(b) => ReplicaEntryRef::EncodedEffect(b),
+                Out::Complete(id) => ReplicaEntryRef::Complete(id),
+            })
+            .collect();
+        let body = match ReplicaBatch::encode_entries(&r.fleet, &r.replica_id, log_id, 0, now, &refs) {
+            Ok(b) => b,
+            Err(e) => {
+                self.shared.bump(Counter::InternalErrors);
+                json_reply(500, &ingest::error_body("internal", &e.to_string()));
+                return Action::Pause;
+            }
+        };
+        self.shared.bump(Counter::ReplicaOut);
+        self.shared.add(Counter::ReplicaOutEntries, refs.len() as u64);
+        self.shared.add(Counter::ReplicaOutLost, read.lost);
+        if read.lost > 0 {
+            log(
+                LogLevel::Warn,
+                &format!("kvroute: {} shared-log entries were overwritten before the relay read them", read.lost),
+            );
+        }
+        let (next, lost, log_text) = (read.next.to_string(), read.lost.to_string(), log_id.to_string());
+        let headers = vec![
+            ("content-type", "application/octet-stream"),
+            (ingest::HEADER_REPLICA_CURSOR, next.as_str()),
+            (ingest::HEADER_REPLICA_LOST, lost.as_str()),
+            (ingest::HEADER_REPLICA_MORE, if read.more { "1" } else { "0" }),
+            (ingest::HEADER_REPLICA_LOG, log_text.as_str()),
+            (ingest::HEADER_REPLICA_FLEET, r.fleet.as_str()),
+            (ingest::HEADER_REPLICA_ID, r.replica_id.as_str()),
+        ];
+        if !reply_bytes(200, headers, &body) {
+            let _ = hostcalls::close_request_stream();
+        }
+        Action::Pause
+    }
+
+    /// `POST <replica path>/in`: the headers (method, signature timestamp); the body follows.
+    fn replica_in_headers(&mut self, r: &ReplicaSection, end_of_stream: bool) -> Action {
+        self.phase = Phase::Done;
+        if self.header(":method") != Some("POST") {
+            return self.replica_refused(405, "method_not_allowed", "POST only");
+        }
+        let signed = match self.replica_signed(r) {
+            Ok(s) => s,
+            Err((e, d)) => return self.replica_refused(401, e, &d),
+        };
+        if end_of_stream {
+            self.apply_replica_post(&signed, &[]);
+        } else {
+            self.phase = Phase::ReplicaIn(signed);
+        }
+        Action::Pause
+    }
+
+    /// Another replica's batch: verified, decoded whole, judged and applied here, then appended
+    /// to the shared log for the other VMs (only when applied: what this VM's router ignored,
+    /// theirs would ignore too).
+    fn apply_replica_post(&mut self, signed: &Signed, body: &[u8]) {
+        self.phase = Phase::Done;
+        let now = now_ms();
+        let Ok(mut slot) = self.shared.active.try_borrow_mut() else {
+            self.shared.bump(Counter::InternalErrors);
+            json_reply(503, &ingest::error_body("busy", "state busy"));
+            return;
+        };
+        let Some(a) = slot.as_mut() else {
+            json_reply(503, &ingest::error_body("unconfigured", "no configuration"));
+            return;
+        };
+        let cfg = a.cfg.clone();
+        let Some(r) = cfg.filter.replica.as_ref() else {
+            drop(slot);
+            json_reply(503, &ingest::error_body("unconfigured", "no replica section"));
+            return;
+        };
+        if !ingest::verify_replica_signature(
+            r.secret.as_bytes(),
+            "in",
+            None,
+            signed.timestamp_ms,
+            body,
+            &signed.signature,
+        ) {
+            drop(slot);
+            self.replica_refused(401, "unauthorized", "wrong x-kvroute-signature");
+            return;
+        }
+        let batch = match ReplicaBatch::decode(body) {
+            Ok(b) => b,
+            Err(e) => {
+                a.router.count_malformed_replica_batch();
+                drop(slot);
+                self.replica_refused(400, "malformed", &e.to_string());
+                return;
+            }
+        };
+        a.sync(&self.shared, now);
+        match a.router.apply_replica_batch(&batch, now) {
+            Ok(out) => {
+                if out.applied {
+                    a.append(&self.shared, &Entry::Replica(body));
+                }
+                drop(slot);
+                self.shared.bump(if out.applied { Counter::ReplicaIn } else { Counter::ReplicaInIgnored });
+                let answer = serde_json::json!({
+                    "verdict": if out.applied { "applied" } else { "ignored" },
+                    "effects": out.effects, "completions": out.completions, "skipped": out.skipped,
+                });
+                json_reply(200, &answer.to_string());
+            }
+            Err(e) => {
+                drop(slot);
+                self.shared.bump(Counter::InternalErrors);
+                log(LogLevel::Warn, &format!("kvroute: replica batch of {} not applied: {e}", batch.replica));
+                json_reply(503, &ingest::error_body("internal", &e.to_string()));
+            }
+        }
+    }
+
     fn stats(&mut self, secret: Option<&str>) -> Action {
         self.phase = Phase::Done;
         if let Some(secret) = secret {
@@ -1347,7 +1615,8 @@ impl Http {
                     let counters = self.shared.counters.try_borrow().map(|c| c.clone()).unwrap_or_default();
                     let (held, replicas) = (a.flow.held.len() as u64, a.flow.replicas.len() as u64);
                     let filter = counters.exposition(&a.log.stats, a.log.instance(), held, replicas);
-                    format!("{}{}", a.router.metrics_text(now), filter)
+                    let replica = a.router.replica_stats().map(|r| crate::counters::replica_exposition(&r));
+                    format!("{}{}{}", a.router.metrics_text(now), filter, replica.unwrap_or_default())
                 }
                 None => String::new(),
             },
@@ -1408,8 +1677,8 @@ impl Http {
             Err(s) => {
                 self.shared.bump(Counter::InternalErrors);
                 log(LogLevel::Warn, &format!("kvroute: reading the request body: {s:?}"));
-                if let Phase::Event(..) = self.phase {
-                    // An event post never goes upstream.
+                if let Phase::Event(..) | Phase::ReplicaIn(..) = self.phase {
+                    // An event post or replica batch never goes upstream.
                     self.phase = Phase::Done;
                     json_reply(503, &ingest::error_body("internal", "request body unreadable"));
                     return Action::Pause;
@@ -1421,6 +1690,10 @@ impl Http {
             Phase::Buffering => self.decide(&body),
             Phase::Event(post, signed) => {
                 self.apply_post(&post, signed.as_ref(), &body);
+                Action::Pause
+            }
+            Phase::ReplicaIn(signed) => {
+                self.apply_replica_post(&signed, &body);
                 Action::Pause
             }
             other => {
@@ -1435,6 +1708,7 @@ impl Http {
         let Some(a) = slot.as_ref() else { return usize::MAX };
         match self.phase {
             Phase::Event(..) => a.cfg.filter.events.as_ref().map_or(usize::MAX, |e| e.max_body_bytes),
+            Phase::ReplicaIn(..) => a.cfg.filter.replica.as_ref().map_or(usize::MAX, |r| r.max_batch_bytes),
             _ => a.router.policy().policy.config().request.max_body_bytes,
         }
     }
@@ -1514,6 +1788,11 @@ impl HttpContext for Http {
             if let Some(ev) = cfg.filter.events.as_ref().filter(|e| e.path == path) {
                 return self.event_headers(ev, end_of_stream);
             }
+            match cfg.filter.replica.as_ref().and_then(|r| Some((r, r.route(path)?))) {
+                Some((r, ReplicaRoute::Out)) => return self.replica_out(r),
+                Some((r, ReplicaRoute::In)) => return self.replica_in_headers(r, end_of_stream),
+                None => {}
+            }
             if cfg.filter.stats_path.as_deref().is_some_and(|s| s == path) && self.header(":method") == Some("GET") {
                 return self.stats(cfg.filter.stats_secret.as_deref());
             }
@@ -1540,12 +1819,18 @@ impl HttpContext for Http {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         match self.phase {
-            Phase::Buffering | Phase::Event(..) => {}
+            Phase::Buffering | Phase::Event(..) | Phase::ReplicaIn(..) => {}
             // Held by flow control: only its release lets it go on.
             Phase::Held => return Action::Pause,
             _ => return Action::Continue,
         }
         if body_size > self.body_limit() {
+            if let Phase::ReplicaIn(..) = self.phase {
+                self.phase = Phase::Done;
+                self.shared.bump(Counter::ReplicaRejected);
+                json_reply(413, &ingest::error_body("too_large", "replica batch over max_batch_bytes"));
+                return Action::Pause;
+            }
             if let Phase::Event(..) = self.phase {
                 self.phase = Phase::Done;
                 self.shared.bump(Counter::EventRejected);
@@ -1569,7 +1854,7 @@ impl HttpContext for Http {
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         match self.phase {
             // The body ended with trailers: it is all buffered now.
-            Phase::Buffering | Phase::Event(..) => self.body_done(usize::MAX),
+            Phase::Buffering | Phase::Event(..) | Phase::ReplicaIn(..) => self.body_done(usize::MAX),
             Phase::Held => Action::Pause,
             _ => Action::Continue,
         }

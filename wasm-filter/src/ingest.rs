@@ -32,6 +32,31 @@
 //! - `401 {"error":"unauthorized"|"stale"|"replayed","detail":…}`: missing or wrong signature (or
 //!   secret), a timestamp outside the window, a signature already accepted (nothing applied);
 //! - `404 {"error":"unknown_endpoint"}`, `405` (not POST), `413` (body over `max_body_bytes`).
+//!
+//! # Replica routes (`filter.replica`)
+//!
+//! The relay next to an Envoy carries router-replica batches between the filter's shared log and
+//! NATS. Both routes are signed like event posts, with [`replica_signature`] (its own version
+//! tag, so a signature of one protocol never verifies in the other):
+//! `x-kvroute-timestamp` and `x-kvroute-signature` over the operation (`out` or `in`), the cursor
+//! (`-` when absent), the timestamp and the SHA-256 of the body.
+//!
+//! - `GET <path>/out?cursor=N` (no cursor: from the oldest entry the log retains): one
+//!   `kvroute::ReplicaBatch` (fleet and replica id of this Envoy, epoch = the log's id, seq 0)
+//!   with the log's routing effects and completions from sequence `N` on, every VM's, at most
+//!   `max_batch_entries` and `max_batch_bytes`. Request ids are qualified by the writing VM
+//!   (`<instance hex>.<id>`: ids are unique only within a VM). Headers:
+//!   [`HEADER_REPLICA_CURSOR`] (the cursor of the next read), [`HEADER_REPLICA_LOST`] (entries
+//!   between `N` and the next cursor the ring overwrote before they were read: lost),
+//!   [`HEADER_REPLICA_MORE`] (`1`: the bound was reached, read again at once),
+//!   [`HEADER_REPLICA_LOG`] (the log's id: it changes when Envoy restarted, and the relay then
+//!   starts a new epoch), [`HEADER_REPLICA_FLEET`] and [`HEADER_REPLICA_ID`].
+//! - `POST <path>/in` with one other replica's batch as the body: decoded whole first (a
+//!   malformed batch is refused with 400 and nothing of it applied), judged and applied by the
+//!   VM that takes it, and appended to the shared log for the other VMs.
+//!   `200 {"verdict":"applied"|"ignored","effects":N,"completions":N,"skipped":N}`; 400
+//!   `{"error":"malformed"}`, 401 (signature), 405, 413 (over `max_batch_bytes`), 503 (replication
+//!   not configured).
 
 /// Header carrying the shared secret (unsigned posts, accepted only with `allow_unsigned`).
 pub const HEADER_SECRET: &str = "x-kvroute-secret";
@@ -48,6 +73,66 @@ pub const HEADER_KIND: &str = "x-kvroute-kind";
 pub const HEADER_SIGNATURE: &str = "x-kvroute-signature";
 /// Header with the time the relay signed the post (UNIX milliseconds, decimal).
 pub const HEADER_TIMESTAMP: &str = "x-kvroute-timestamp";
+
+/// The cursor of the next export read (response header of `GET <replica path>/out`).
+pub const HEADER_REPLICA_CURSOR: &str = "x-kvroute-replica-cursor";
+/// Entries the ring overwrote before the export read them (response header).
+pub const HEADER_REPLICA_LOST: &str = "x-kvroute-replica-lost";
+/// `1` when the export stopped at its bound and more entries wait (response header).
+pub const HEADER_REPLICA_MORE: &str = "x-kvroute-replica-more";
+/// The shared log's id: a new one after an Envoy restart (response header).
+pub const HEADER_REPLICA_LOG: &str = "x-kvroute-replica-log";
+/// The filter's fleet (response header).
+pub const HEADER_REPLICA_FLEET: &str = "x-kvroute-replica-fleet";
+/// The filter's replica id (response header).
+pub const HEADER_REPLICA_ID: &str = "x-kvroute-replica-id";
+/// Version tag at the start of every signed message of the replica routes.
+pub const REPLICA_SIGNATURE_VERSION: &str = "kvroute-replica-v1";
+
+/// The message a replica route's signature covers: the version tag, the operation (`out` or
+/// `in`), the cursor (`-` when absent), the timestamp (UNIX ms) and the lowercase hex SHA-256 of
+/// the body, one per line.
+pub fn replica_signed_message(op: &str, cursor: Option<u64>, timestamp_ms: u64, body: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let cursor = cursor.map_or_else(|| "-".to_owned(), |s| s.to_string());
+    let digest = hex(&Sha256::digest(body));
+    format!("{REPLICA_SIGNATURE_VERSION}\n{op}\n{cursor}\n{timestamp_ms}\n{digest}")
+}
+
+/// The signature of a replica route request (lowercase hex HMAC-SHA256 keyed by `secret` over
+/// [`replica_signed_message`]).
+pub fn replica_signature(secret: &[u8], op: &str, cursor: Option<u64>, timestamp_ms: u64, body: &[u8]) -> String {
+    use hmac::Mac;
+    hex(&mac(secret, &replica_signed_message(op, cursor, timestamp_ms, body)).finalize().into_bytes())
+}
+
+/// Whether `given` is the replica request's signature; compared in constant time.
+pub fn verify_replica_signature(
+    secret: &[u8],
+    op: &str,
+    cursor: Option<u64>,
+    timestamp_ms: u64,
+    body: &[u8],
+    given: &Mac,
+) -> bool {
+    use hmac::Mac;
+    mac(secret, &replica_signed_message(op, cursor, timestamp_ms, body)).verify_slice(given).is_ok()
+}
+
+/// The `cursor` of an export request's `:path` (`…/out?cursor=N`; absent: `None`). Other query
+/// parameters are errors (they would not be signed).
+pub fn parse_cursor(path: &str) -> Result<Option<u64>, String> {
+    let Some((_, query)) = path.split_once('?') else { return Ok(None) };
+    if query.is_empty() {
+        return Ok(None);
+    }
+    match query.strip_prefix("cursor=") {
+        Some(v) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
+            v.parse::<u64>().map(Some).map_err(|_| format!("cursor {v:?} is not a u64"))
+        }
+        _ => Err(format!("query {query:?}: only cursor=<u64> is accepted")),
+    }
+}
 
 /// Compare two byte strings in time that depends only on their lengths (never on where they
 /// differ). Both are first reduced to SHA-256 digests, so even the length of the secret does not
@@ -336,6 +421,26 @@ mod tests {
         use hmac::Mac;
         let m = mac(b"Jefe", "what do ya want for nothing?").finalize().into_bytes();
         assert_eq!(hex(&m), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+    }
+
+    #[test]
+    fn replica_signatures_and_cursors() {
+        let secret = b"0123456789abcdef-secret";
+        let sig = parse_signature(&replica_signature(secret, "out", Some(7), 1_000, b"")).unwrap();
+        assert!(verify_replica_signature(secret, "out", Some(7), 1_000, b"", &sig));
+        assert!(!verify_replica_signature(secret, "out", Some(8), 1_000, b"", &sig));
+        assert!(!verify_replica_signature(secret, "in", Some(7), 1_000, b"", &sig));
+        assert!(!verify_replica_signature(secret, "out", None, 1_000, b"", &sig));
+        assert!(!verify_replica_signature(secret, "out", Some(7), 1_001, b"", &sig));
+        assert!(!verify_replica_signature(secret, "out", Some(7), 1_000, b"x", &sig));
+        // Never an event signature.
+        assert_ne!(replica_signature(secret, "in", None, 1, b"x"), signature(secret, "in", "-", None, 1, b"x"));
+        assert_eq!(parse_cursor("/r/out"), Ok(None));
+        assert_eq!(parse_cursor("/r/out?"), Ok(None));
+        assert_eq!(parse_cursor("/r/out?cursor=42"), Ok(Some(42)));
+        for bad in ["/r/out?cursor=", "/r/out?cursor=-1", "/r/out?cursor=1&x=2", "/r/out?x=1", "/r/out?cursor=+1"] {
+            assert!(parse_cursor(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -170,6 +170,9 @@ pub enum Entry<'a> {
         /// The writer's ticket.
         ticket: u64,
     },
+    /// Another router replica's batch (`kvroute::ReplicaBatch`, validated by the writer), posted
+    /// by the relay: every VM applies it with `RouterCore::apply_replica_bytes`.
+    Replica(&'a [u8]),
 }
 
 impl<'a> Entry<'a> {
@@ -261,6 +264,7 @@ impl Entry<'_> {
             Entry::Resync { .. } => 5,
             Entry::FlowQueued { .. } => 6,
             Entry::FlowLeft { .. } => 7,
+            Entry::Replica(_) => 8,
         }
     }
 
@@ -274,6 +278,7 @@ impl Entry<'_> {
             Entry::Resync { endpoint, .. } => 2 + endpoint.len() + 8,
             Entry::FlowQueued { fairness_id, .. } => 8 * 5 + 4 + 2 * 9 + 2 + fairness_id.len(),
             Entry::FlowLeft { .. } => 8,
+            Entry::Replica(b) => b.len(),
         };
         let mut out = Vec::with_capacity(HEADER + body_len);
         out.push(VERSION);
@@ -319,6 +324,7 @@ impl Entry<'_> {
                 put_str(&mut out, fairness_id);
             }
             Entry::FlowLeft { ticket } => out.extend_from_slice(&ticket.to_le_bytes()),
+            Entry::Replica(b) => out.extend_from_slice(b),
         }
         out
     }
@@ -395,6 +401,7 @@ impl Entry<'_> {
                 }
                 Entry::FlowLeft { ticket }
             }
+            8 => Entry::Replica(b),
             _ => return None,
         };
         Some((seq, origin, entry))
@@ -418,6 +425,23 @@ pub struct SyncStats {
     pub errors: u64,
     /// Compare-and-swap conflicts while claiming.
     pub cas_conflicts: u64,
+}
+
+/// What [`SharedLog::export`] read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Export {
+    /// The sequence number to read from next time (the relay's next cursor).
+    pub next: u64,
+    /// Entries between the given cursor and the next one that were overwritten before they were
+    /// read, or claimed and never written: lost to the export.
+    pub lost: u64,
+    /// `take` stopped the read: more entries wait.
+    pub more: bool,
+    /// The cursor was ahead of this log (it came from a log before an Envoy restart): the read
+    /// started over at the oldest retained entry.
+    pub restarted: bool,
+    /// Slots that were not entries (skipped).
+    pub malformed: u64,
 }
 
 /// Append `n` in decimal (what `format!("{n}")` writes).
@@ -618,6 +642,89 @@ impl SharedLog {
         Ok(applied)
     }
 
+    /// Read the entries from sequence `from` on (`None`: the oldest entry the ring retains), of
+    /// every writer (this VM's own included), handing each to `take(origin, entry)` until it
+    /// answers `false` (its bound is reached: that entry is not taken). For the relay's export:
+    /// this VM's own reading position is untouched. A slot claimed but not yet written stops the
+    /// read (it is read next time), unless this VM's own reader already passed it (skipped it as
+    /// lost). Entries the ring overwrote before they were read are counted in [`Export::lost`].
+    pub fn export(
+        &mut self,
+        store: &mut impl SharedStore,
+        from: Option<u64>,
+        mut take: impl FnMut(u64, Entry<'_>) -> bool,
+    ) -> Result<Export, StoreError> {
+        let (head, _) = self.head(store)?;
+        let oldest = head.saturating_sub(self.ring);
+        let (mut c, restarted) = match from {
+            Some(c) if c <= head => (c, false),
+            // Ahead of this log: the cursor belongs to another one (Envoy restarted).
+            Some(_) => (oldest, true),
+            None => (oldest, false),
+        };
+        let mut out = Export { next: c, lost: 0, more: false, restarted, malformed: 0 };
+        if c < oldest {
+            out.lost += oldest - c;
+            c = oldest;
+        }
+        while c < head {
+            let key = self.slot_key(c);
+            let read = store.get(&key);
+            self.key_buf = key;
+            let value = read.inspect_err(|_| self.stats.errors += 1)?.0;
+            match value.as_deref().and_then(Entry::stored_seq) {
+                Some(s) if s == c => {
+                    match value.as_deref().and_then(Entry::decode) {
+                        Some((_, origin, entry)) => {
+                            if !take(origin, entry) {
+                                out.more = true;
+                                break;
+                            }
+                        }
+                        None => out.malformed += 1,
+                    }
+                    c += 1;
+                }
+                Some(s) if s > c => {
+                    let resume = (s + 1).max(head).saturating_sub(self.ring).max(c + 1);
+                    out.lost += resume - c;
+                    c = resume;
+                }
+                _ if self.cursor.is_some_and(|mine| mine > c) => {
+                    out.lost += 1;
+                    c += 1;
+                }
+                _ => break,
+            }
+        }
+        out.next = c;
+        Ok(out)
+    }
+
+    /// The identity of this log (`{prefix}id`: the time it was first configured, ms), created when
+    /// absent. Read on every call (two VMs that create it at once race; every VM then answers
+    /// with the value that stayed). `0` when the host refuses.
+    pub fn log_id(&mut self, store: &mut impl SharedStore, now_ms: u64) -> u64 {
+        let key = format!("{}id", self.prefix);
+        match store.get(&key) {
+            Ok((Some(v), _)) if v.len() == 8 => read_u64(Some(&v)),
+            Ok((_, cas)) => {
+                let id = now_ms.max(1);
+                match store.set(&key, &id.to_le_bytes(), cas) {
+                    Ok(()) => id,
+                    Err(_) => match store.get(&key) {
+                        Ok((Some(v), _)) if v.len() == 8 => read_u64(Some(&v)),
+                        _ => 0,
+                    },
+                }
+            }
+            Err(_) => {
+                self.stats.errors += 1;
+                0
+            }
+        }
+    }
+
     /// Take or renew the metric-polling lease for `lease_ms`; true when this instance holds it.
     pub fn try_lease(&mut self, store: &mut impl SharedStore, now_ms: u64, lease_ms: u64) -> Result<bool, StoreError> {
         let (v, cas) = store.get(&self.lease_key).inspect_err(|_| self.stats.errors += 1)?;
@@ -642,6 +749,12 @@ impl SharedLog {
             }
         }
     }
+}
+
+/// The id under which the relay exports a request of instance `origin` to the other replicas:
+/// qualified by the writing VM (ids are unique only within one VM).
+pub fn export_request_id(origin: u64, id: &str) -> String {
+    format!("{origin:x}.{id}")
 }
 
 /// The id under which a mirror tracks another instance's request: qualified by the origin, so
@@ -726,6 +839,7 @@ mod tests {
                 ttl_ms: None,
             },
             Entry::FlowLeft { ticket: 1 << 32 | 7 },
+            Entry::Replica(b"KVRB..."),
         ];
         for e in entries {
             let b = e.encode(42, 3);
@@ -846,6 +960,68 @@ mod tests {
         assert!(collect(&mut b, &mut mem, 5000).is_empty());
         mem.set("ns/r16/e/2", &Entry::Complete("two").encode(2, 1), None).unwrap();
         assert_eq!(collect(&mut b, &mut mem, 5001).len(), 1, "seq 2 now written");
+    }
+
+    #[test]
+    fn exports_read_every_writer_from_a_cursor_and_count_what_was_overwritten() {
+        let mut mem = Mem::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        let mut b = SharedLog::new("ns", 16, 2);
+        a.append(&mut mem, &Entry::Complete("a0")).unwrap();
+        b.append(&mut mem, &Entry::Complete("b1")).unwrap();
+        a.append(&mut mem, &Entry::Replica(b"x")).unwrap();
+        let mut seen = Vec::new();
+        let e = a
+            .export(&mut mem, None, |o, e| {
+                seen.push((o, format!("{e:?}")));
+                true
+            })
+            .unwrap();
+        assert_eq!(seen.len(), 3, "own entries too: {seen:?}");
+        assert_eq!((e.next, e.lost, e.more, e.restarted), (3, 0, false, false));
+        assert_eq!(a.cursor(), None, "the VM's own reading position is untouched");
+        // A bound: the refused entry is read again next time.
+        let mut n = 0;
+        let e = a.export(&mut mem, Some(0), |_, _| {
+            n += 1;
+            n <= 1
+        });
+        assert_eq!(e.unwrap().next, 1);
+        // From the head: nothing; ahead of the log: started over.
+        assert_eq!(a.export(&mut mem, Some(3), |_, _| true).unwrap().next, 3);
+        let e = a.export(&mut mem, Some(99), |_, _| true).unwrap();
+        assert!(e.restarted && e.next == 3);
+        // Overwritten before the relay read them.
+        for i in 0..40 {
+            a.append(&mut mem, &Entry::Complete(&i.to_string())).unwrap();
+        }
+        let mut first = None;
+        let e = b
+            .export(&mut mem, Some(3), |_, e| {
+                first.get_or_insert(format!("{e:?}"));
+                true
+            })
+            .unwrap();
+        assert_eq!((e.next, e.lost), (43, 43 - 16 - 3));
+        assert_eq!(first.unwrap(), "Complete(\"24\")");
+        // A pending slot stops the export until this VM's reader skipped it.
+        mem.set("ns/r16/head", &44u64.to_le_bytes(), None).unwrap();
+        a.append(&mut mem, &Entry::Complete("after")).unwrap();
+        assert_eq!(b.export(&mut mem, Some(43), |_, _| true).unwrap().next, 43);
+        collect(&mut b, &mut mem, 0);
+        collect(&mut b, &mut mem, PENDING_SKIP_MS);
+        let e = b.export(&mut mem, Some(43), |_, _| true).unwrap();
+        assert_eq!((e.next, e.lost), (45, 1));
+    }
+
+    #[test]
+    fn the_log_id_is_created_once() {
+        let mut mem = Mem::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        let mut b = SharedLog::new("ns", 16, 2);
+        assert_eq!(a.log_id(&mut mem, 1234), 1234);
+        assert_eq!(b.log_id(&mut mem, 9999), 1234);
+        assert_eq!(SharedLog::new("other", 16, 1).log_id(&mut mem, 7), 7);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! What this replica knows of the others: each one's incarnation, the last batch applied, when it
 //! was last heard from. It judges every incoming batch before anything of it is applied.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use super::wire::ReplicaBatch;
 use super::{ReplicaConfig, ReplicaStats};
@@ -34,10 +34,11 @@ pub enum PeerVerdict {
     Ignore,
 }
 
-/// The other replicas of the fleet, as seen from this one.
+/// The other replicas of the fleet, as seen from this one (an ordered map: no randomly seeded
+/// hasher, which inside the Envoy filter would need WASI `random_get`).
 #[derive(Debug, Default)]
 pub struct PeerTable {
-    peers: HashMap<String, Peer>,
+    peers: BTreeMap<String, Peer>,
 }
 
 impl PeerTable {

@@ -8,15 +8,27 @@
 //!   "engines": [
 //!     {"endpoint": "10.0.0.7:8000",
 //!      "subscriber": {"endpoint": "tcp://10.0.0.7:5557", "replay_endpoint": "tcp://10.0.0.7:5558"}}
-//!   ]
+//!   ],
+//!   "replica": {
+//!     "target": "http://127.0.0.1:10000",
+//!     "secret_env": "KVROUTE_REPLICA_SECRET",
+//!     "nats": {"url": "tls://nats.example:4222", "fleet": "prod", "replica_id": "envoy-a",
+//!              "tls_required": true, "tls_ca_file": "/etc/kvroute/nats-ca.pem"}
+//!   }
 //! }
 //! ```
+//!
+//! `engines` (with `targets`) relay KV events; `replica` (optional) makes this relay its Envoy's
+//! link to the fleet's other router replicas over NATS (see [`crate::replica`]). At least one of
+//! the two is needed.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute::SubscriberConfig;
 use serde::Deserialize;
+
+use crate::replica::ReplicaRelayConfig;
 
 /// Default event path (the filter's `events.path` must match).
 pub const DEFAULT_PATH: &str = "/kvroute/v1/events";
@@ -43,8 +55,9 @@ pub struct EngineConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RelayConfig {
-    /// Envoy listeners to POST to (`http://host:port`): every Envoy replica, since each keeps its
-    /// own routing state.
+    /// Envoy listeners to POST events to (`http://host:port`): every Envoy replica, since each
+    /// keeps its own routing state.
+    #[serde(default)]
     pub targets: Vec<String>,
     /// The filter's event path.
     #[serde(default = "default_path")]
@@ -66,7 +79,11 @@ pub struct RelayConfig {
     #[serde(default = "default_queue")]
     pub queue_batches: usize,
     /// The engines.
+    #[serde(default)]
     pub engines: Vec<EngineConfig>,
+    /// Router replicas: this relay carries its Envoy's replica batches to and from NATS.
+    #[serde(default)]
+    pub replica: Option<ReplicaRelayConfig>,
 }
 
 fn default_path() -> String {
@@ -92,8 +109,11 @@ impl RelayConfig {
 
     /// Check the values.
     pub fn validate(&self) -> Result<(), String> {
-        if self.targets.is_empty() {
+        if self.targets.is_empty() && (self.replica.is_none() || !self.engines.is_empty()) {
             return Err("`targets` must list at least one Envoy listener".into());
+        }
+        if let Some(r) = &self.replica {
+            r.validate(self.timeout())?;
         }
         for t in &self.targets {
             crate::http::Target::parse(t, self.timeout())?;
@@ -124,22 +144,24 @@ impl RelayConfig {
 
     /// Read the shared secret from `secret_file` or the environment.
     pub fn secret(&self) -> Result<String, String> {
-        let s = match &self.secret_file {
-            Some(p) => std::fs::read_to_string(p).map_err(|e| format!("secret_file {}: {e}", p.display()))?,
-            None => {
-                let var = self.secret_env.as_deref().unwrap_or(DEFAULT_SECRET_ENV);
-                std::env::var(var).map_err(|_| format!("environment variable {var} (the shared secret) is not set"))?
-            }
-        };
-        let s = s.trim_end_matches(['\r', '\n']).to_owned();
-        if s.len() < kvroute_filter::config::MIN_SECRET_BYTES {
-            return Err(format!(
-                "the shared secret must be at least {} bytes",
-                kvroute_filter::config::MIN_SECRET_BYTES
-            ));
-        }
-        Ok(s)
+        read_secret(self.secret_file.as_ref(), self.secret_env.as_deref(), DEFAULT_SECRET_ENV)
     }
+}
+
+/// A shared secret from `file` (wins) or the environment variable `env` (else `default_env`).
+pub(crate) fn read_secret(file: Option<&PathBuf>, env: Option<&str>, default_env: &str) -> Result<String, String> {
+    let s = match file {
+        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("secret_file {}: {e}", p.display()))?,
+        None => {
+            let var = env.unwrap_or(default_env);
+            std::env::var(var).map_err(|_| format!("environment variable {var} (the shared secret) is not set"))?
+        }
+    };
+    let s = s.trim_end_matches(['\r', '\n']).to_owned();
+    if s.len() < kvroute_filter::config::MIN_SECRET_BYTES {
+        return Err(format!("the shared secret must be at least {} bytes", kvroute_filter::config::MIN_SECRET_BYTES));
+    }
+    Ok(s)
 }
 
 #[cfg(test)]
@@ -167,5 +189,29 @@ mod tests {
         let bad_engine =
             r#"{"targets": ["http://x:1"], "engines": [{"endpoint": "x", "subscriber": {"endpoint": "tcp://a:1"}}]}"#;
         assert!(RelayConfig::from_json(bad_engine).unwrap_err().contains("engines[0].endpoint"));
+    }
+
+    #[test]
+    fn a_replica_only_relay() {
+        let cfg = RelayConfig::from_json(
+            r#"{"replica": {"target": "http://127.0.0.1:10000",
+                            "nats": {"url": "nats://127.0.0.1:4222", "fleet": "f", "replica_id": "envoy-a"}}}"#,
+        )
+        .unwrap();
+        let r = cfg.replica.unwrap();
+        assert_eq!((r.path.as_str(), r.poll_interval_ms, r.queue_batches), ("/kvroute/v1/replica", 10, 1024));
+        let bad = |replica: &str| RelayConfig::from_json(&format!(r#"{{"replica": {replica}}}"#)).unwrap_err();
+        assert!(
+            bad(r#"{"target": "http://x:1", "nats": {"fleet": "f", "replica_id": "a.b"}}"#).contains("replica.nats")
+        );
+        assert!(
+            bad(r#"{"target": "https://x:1", "nats": {"fleet": "f", "replica_id": "a"}}"#).contains("replica.target")
+        );
+        assert!(bad(r#"{"target": "http://x:1", "path": "r", "nats": {"fleet": "f", "replica_id": "a"}}"#)
+            .contains("replica.path"));
+        // Engines still need targets.
+        let e = r#"{"replica": {"target": "http://x:1", "nats": {"fleet": "f", "replica_id": "a"}},
+                    "engines": [{"endpoint": "10.0.0.7:8000", "subscriber": {"endpoint": "tcp://10.0.0.7:5557"}}]}"#;
+        assert!(RelayConfig::from_json(e).unwrap_err().contains("targets"));
     }
 }

@@ -15,6 +15,9 @@ use ureq::Agent;
 
 /// Largest response body read (the filter's answers are small JSON documents).
 pub const MAX_RESPONSE_BYTES: u64 = 1 << 20;
+/// Largest body a `GET` reads (the filter's replica export: at most its `max_batch_bytes`,
+/// 64 MiB).
+pub const MAX_GET_BYTES: u64 = 65 << 20;
 
 /// An `http://host:port` target.
 #[derive(Debug)]
@@ -82,6 +85,44 @@ impl Target {
         let status = response.status().as_u16();
         let body = response.body_mut().with_config().limit(MAX_RESPONSE_BYTES).read_to_vec()?;
         Ok(Response { status, body })
+    }
+}
+
+/// A response with its headers (names lowercase).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    /// Status code.
+    pub status: u16,
+    /// Headers, names lowercase, in order.
+    pub headers: Vec<(String, String)>,
+    /// Body.
+    pub body: Vec<u8>,
+}
+
+impl Fetched {
+    /// The first value of header `name` (lowercase).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+impl Target {
+    /// `GET path` with `headers`. Any status is a [`Fetched`]; transport errors, a header that
+    /// cannot be sent and a body over [`MAX_GET_BYTES`] are errors.
+    pub fn get(&self, path: &str, headers: &[(&str, &str)]) -> Result<Fetched, ureq::Error> {
+        let mut request = self.agent.get(format!("{}{path}", self.base));
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        let mut response = request.call()?;
+        let status = response.status().as_u16();
+        let headers = response
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.as_str().to_ascii_lowercase(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+            .collect();
+        let body = response.body_mut().with_config().limit(MAX_GET_BYTES).read_to_vec()?;
+        Ok(Fetched { status, headers, body })
     }
 }
 

@@ -18,6 +18,9 @@
 //! before the batch that starts the stream again: the relay forwards it as a resync notice
 //! ahead of that batch.
 //!
+//! With a `replica` section the relay is also its Envoy's link to the other router replicas of
+//! its fleet over NATS ([`replica`]: the filter's shared log out, the others' batches in).
+//!
 //! Per target, one forwarding thread POSTs in order; when the filter answers 409 (it missed
 //! batches: a POST was lost, or its Envoy restarted mid-stream) the relay POSTs a resync notice
 //! and the batch again, which the filter then accepts as a fresh start.
@@ -26,6 +29,7 @@ pub mod config;
 mod engine;
 mod forward;
 pub mod http;
+pub mod replica;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,6 +37,7 @@ use std::thread::JoinHandle;
 
 pub use config::{EngineConfig, RelayConfig};
 use kvroute::{SubscribeError, SubscriberStats, Subscription};
+pub use replica::{ReplicaRelayConfig, ReplicaRelayStats};
 
 /// The relay's own counters (the subscriptions count the receiving side).
 #[derive(Debug, Default)]
@@ -125,6 +130,8 @@ pub enum RelayError {
     },
     /// A forwarding thread could not be spawned.
     Spawn(std::io::Error),
+    /// The replica side could not start (its secret, a thread, the NATS options).
+    Replica(String),
 }
 
 impl std::fmt::Display for RelayError {
@@ -133,6 +140,7 @@ impl std::fmt::Display for RelayError {
             RelayError::Config(s) => write!(f, "relay configuration: {s}"),
             RelayError::Subscribe { engine, error } => write!(f, "engine {engine}: {error}"),
             RelayError::Spawn(e) => write!(f, "could not spawn a forwarding thread: {e}"),
+            RelayError::Replica(s) => write!(f, "replica relay: {s}"),
         }
     }
 }
@@ -140,7 +148,7 @@ impl std::fmt::Display for RelayError {
 impl std::error::Error for RelayError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            RelayError::Config(_) => None,
+            RelayError::Config(_) | RelayError::Replica(_) => None,
             RelayError::Subscribe { error, .. } => Some(error),
             RelayError::Spawn(e) => Some(e),
         }
@@ -164,6 +172,7 @@ pub struct Relay {
     /// Final counters of the subscriptions already stopped.
     stopped: Vec<SubscriberStats>,
     threads: Vec<JoinHandle<()>>,
+    replica: Option<replica::ReplicaSide>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -173,8 +182,15 @@ impl std::fmt::Debug for Relay {
 }
 
 impl Relay {
-    /// Open every engine's sockets (errors are returned here) and start relaying with `secret`.
+    /// Open every engine's sockets (errors are returned here) and start relaying with `secret`;
+    /// the replica side (when configured) reads its secret from its `secret_file` or
+    /// `secret_env`.
     pub fn start(cfg: &RelayConfig, secret: &str) -> Result<Relay, RelayError> {
+        Relay::start_with(cfg, secret, None)
+    }
+
+    /// [`Relay::start`] with the replica side's secret given (`None`: read as configured).
+    pub fn start_with(cfg: &RelayConfig, secret: &str, replica_secret: Option<&str>) -> Result<Relay, RelayError> {
         cfg.validate().map_err(RelayError::Config)?;
         // Built as it goes, so that an error stops whatever was already started (`Drop`).
         let mut relay = Relay {
@@ -183,6 +199,7 @@ impl Relay {
             subscriptions: Vec::new(),
             stopped: Vec::new(),
             threads: Vec::new(),
+            replica: None,
         };
         let mut senders = Vec::new();
         for t in &cfg.targets {
@@ -197,6 +214,13 @@ impl Relay {
         for e in &cfg.engines {
             let sub = engine::subscribe(e, senders.clone(), &relay.stats)?;
             relay.subscriptions.push(sub);
+        }
+        if let Some(r) = &cfg.replica {
+            let secret = match replica_secret {
+                Some(s) => s.to_owned(),
+                None => r.secret().map_err(RelayError::Replica)?,
+            };
+            relay.replica = Some(replica::ReplicaSide::start(r, &secret, cfg.timeout()).map_err(RelayError::Replica)?);
         }
         Ok(relay)
     }
@@ -213,9 +237,16 @@ impl Relay {
         s
     }
 
+    /// The replica side's counters (with the NATS transport's), when configured.
+    pub fn replica_stats(&self) -> Option<ReplicaRelayStats> {
+        self.replica.as_ref().map(replica::ReplicaSide::stats)
+    }
+
     /// Whether every subscription and forwarding thread is still running.
     pub fn is_running(&self) -> bool {
-        self.subscriptions.iter().all(Subscription::is_running) && self.threads.iter().all(|t| !t.is_finished())
+        self.subscriptions.iter().all(Subscription::is_running)
+            && self.threads.iter().all(|t| !t.is_finished())
+            && self.replica.as_ref().is_none_or(replica::ReplicaSide::is_running)
     }
 
     /// Stop the subscriptions, then the forwarders (about one poll interval; what is still queued
@@ -226,6 +257,9 @@ impl Relay {
     }
 
     fn shutdown(&mut self) {
+        if let Some(mut r) = self.replica.take() {
+            r.shutdown();
+        }
         for sub in self.subscriptions.drain(..) {
             // `stop` fails only when the worker had already ended (panicked): its counters were
             // final then.

@@ -148,6 +148,7 @@ fn config(url: &str, sub: SubscriberConfig) -> RelayConfig {
         attempts: 2,
         queue_batches: 100,
         engines: vec![EngineConfig { endpoint: EP.into(), subscriber: sub }],
+        replica: None,
     }
 }
 

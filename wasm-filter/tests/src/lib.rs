@@ -25,6 +25,10 @@ pub const EVENTS_PATH: &str = "/kvroute/v1/events";
 pub const STATS_PATH: &str = "/kvroute/v1/stats";
 /// The shared secret.
 pub const SECRET: &str = "test-secret-0123456789";
+/// The replica routes' path prefix (`filter.replica.path`'s default).
+pub const REPLICA_PATH: &str = kvroute_filter::config::DEFAULT_REPLICA_PATH;
+/// The replica routes' shared secret.
+pub const REPLICA_SECRET: &str = "replica-secret-0123456789";
 /// Envoy `vm_id` of every VM (they share shared data).
 pub const VM_ID: &str = "kvroute";
 /// Header with the decision JSON (the filter's `debug_decision_header`).
@@ -350,4 +354,161 @@ pub fn is_held(host: &Host, s: StreamId) -> bool {
 pub fn dropped(host: &Host, s: StreamId) -> Option<(u32, String)> {
     let l = host.stream(s).ok()?.local_reply()?;
     Some((l.status, l.headers.get(kvroute::HEADER_DROPPED_REASON)?.to_owned()))
+}
+
+/// The `extra` of [`plugin_config`] for replica `replica_id` of `fleet` (secret
+/// [`REPLICA_SECRET`]), with `more` merged into the replica section.
+pub fn replica_extra(fleet: &str, replica_id: &str, more: &Value) -> Value {
+    let mut r = json!({"fleet": fleet, "replica_id": replica_id, "secret": REPLICA_SECRET});
+    if let (Some(r), Some(m)) = (r.as_object_mut(), more.as_object()) {
+        for (k, v) in m {
+            r.insert(k.clone(), v.clone());
+        }
+    }
+    json!({ "replica": r })
+}
+
+/// A local answer with its headers: status, headers, body.
+pub type Answer = (u32, HeaderMap, Vec<u8>);
+
+/// `GET <replica path>/out` (from `cursor`) on `vm`, signed with `secret` at the host's time.
+pub fn replica_out(host: &mut Host, vm: VmId, cursor: Option<u64>, secret: &str) -> Result<Answer, HostError> {
+    use kvroute_filter::ingest;
+    let ts = now_ms(host);
+    let sig = ingest::replica_signature(secret.as_bytes(), "out", cursor, ts, &[]);
+    let path = match cursor {
+        Some(c) => format!("{REPLICA_PATH}/out?cursor={c}"),
+        None => format!("{REPLICA_PATH}/out"),
+    };
+    let ts = ts.to_string();
+    let h = [
+        (":method", "GET"),
+        (":path", path.as_str()),
+        (":authority", "llm.local"),
+        (ingest::HEADER_TIMESTAMP, ts.as_str()),
+        (ingest::HEADER_SIGNATURE, sig.as_str()),
+    ];
+    let st = host.round_trip(vm, &HttpMessage::new(h, Vec::new()), None)?;
+    Ok(full_answer(&st))
+}
+
+/// `POST <replica path>/in` of `batch` on `vm`, signed with `secret` at the host's time.
+pub fn replica_in(host: &mut Host, vm: VmId, batch: &[u8], secret: &str) -> Result<(u32, Value), HostError> {
+    use kvroute_filter::ingest;
+    let ts = now_ms(host);
+    let sig = ingest::replica_signature(secret.as_bytes(), "in", None, ts, batch);
+    let path = format!("{REPLICA_PATH}/in");
+    let ts = ts.to_string();
+    let h = [
+        (":method", "POST"),
+        (":path", path.as_str()),
+        (":authority", "llm.local"),
+        (ingest::HEADER_TIMESTAMP, ts.as_str()),
+        (ingest::HEADER_SIGNATURE, sig.as_str()),
+    ];
+    let st = host.round_trip(vm, &HttpMessage::new(h, batch.to_vec()), None)?;
+    Ok(answer(&st))
+}
+
+/// A stream's local answer with its headers (status 0 when there is none).
+pub fn full_answer(s: &Stream) -> Answer {
+    match s.local_reply() {
+        Some(l) => (l.status, l.headers.clone(), l.body.clone()),
+        None => (0, HeaderMap::default(), Vec::new()),
+    }
+}
+
+/// One HTTP request received by a [`loopback_listener`], and where its answer goes.
+pub struct Incoming {
+    /// The request (`:method`, `:path`, `:authority` and the headers, lowercase; the body).
+    pub message: HttpMessage,
+    /// Send the answer here.
+    pub answer: std::sync::mpsc::Sender<Reply>,
+}
+
+/// An HTTP answer for a [`loopback_listener`]: status, headers, body.
+pub type Reply = (u32, Vec<(String, String)>, Vec<u8>);
+
+/// A keep-alive HTTP/1.1 listener on loopback standing in for Envoy's listener: every request
+/// is passed to the test thread (which owns the host) and answered with what it sends back
+/// (within 10 s, else the connection is closed). Returns its `http://` URL.
+pub fn loopback_listener() -> std::io::Result<(String, std::sync::mpsc::Receiver<Incoming>)> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let (tx, rx) = std::sync::mpsc::channel::<Incoming>();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let Ok(read_half) = conn.try_clone() else { return };
+                let mut r = BufReader::new(read_half);
+                let mut w = conn;
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut parts = line.split_whitespace();
+                    let (method, path) = (parts.next().unwrap_or("").to_owned(), parts.next().unwrap_or("").to_owned());
+                    let mut headers = vec![(":method".to_owned(), method), (":path".to_owned(), path)];
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let h = h.trim_end();
+                        if h.is_empty() {
+                            break;
+                        }
+                        let Some((k, v)) = h.split_once(':') else { return };
+                        let k = k.trim().to_ascii_lowercase();
+                        headers.push((if k == "host" { ":authority".to_owned() } else { k }, v.trim().to_owned()));
+                    }
+                    let n: usize = headers
+                        .iter()
+                        .find(|(k, _)| k == "content-length")
+                        .and_then(|(_, v)| v.parse().ok())
+                        .unwrap_or(0);
+                    let mut body = vec![0; n];
+                    if r.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let pairs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                    let (atx, arx) = std::sync::mpsc::channel();
+                    if tx.send(Incoming { message: HttpMessage::new(pairs, body), answer: atx }).is_err() {
+                        return;
+                    }
+                    let Ok((status, headers, body)) = arx.recv_timeout(std::time::Duration::from_secs(10)) else {
+                        return;
+                    };
+                    let mut head = format!("HTTP/1.1 {status} X\r\ncontent-length: {}\r\n", body.len());
+                    for (k, v) in headers {
+                        if k.starts_with(':') || k.eq_ignore_ascii_case("content-length") {
+                            continue;
+                        }
+                        head += &format!("{k}: {v}\r\n");
+                    }
+                    head += "\r\n";
+                    if w.write_all(head.as_bytes()).and_then(|()| w.write_all(&body)).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Ok((url, rx))
+}
+
+/// Hand `inc` to `vm` of `host` and send back the filter's local answer (status 0 when the
+/// filter let it go upstream). Returns the answer's status.
+pub fn answer_incoming(host: &mut Host, vm: VmId, inc: Incoming) -> Result<u32, HostError> {
+    let st = host.round_trip(vm, &inc.message, None)?;
+    let (status, headers, body) = match st.local_reply() {
+        Some(l) => (l.status, l.headers.to_pairs(), l.body.clone()),
+        None => (0, Vec::new(), Vec::new()),
+    };
+    let _ = inc.answer.send((status, headers, body));
+    Ok(status)
 }

@@ -5,9 +5,7 @@
 //! answers 401 and nothing is applied. Every wait is bounded.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use kvroute::SubscriberConfig;
@@ -19,67 +17,6 @@ const A: &str = "10.0.0.1:8000";
 const B: &str = "10.0.0.2:8000";
 const WAIT: Duration = Duration::from_secs(10);
 
-/// One HTTP request received by the stand-in listener, and where its answer goes.
-struct Incoming {
-    message: HttpMessage,
-    answer: Sender<(u32, Vec<u8>)>,
-}
-
-/// A keep-alive HTTP/1.1 listener on loopback; every request is passed to the test thread (which
-/// owns the host) and answered with what it sends back.
-fn envoy_listener() -> (String, Receiver<Incoming>) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(conn) = conn else { return };
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(conn.try_clone().unwrap());
-                let mut w = conn;
-                loop {
-                    let mut line = String::new();
-                    if r.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let mut parts = line.split_whitespace();
-                    let (method, path) = (parts.next().unwrap_or("").to_owned(), parts.next().unwrap_or("").to_owned());
-                    let mut headers = vec![(":method".to_owned(), method), (":path".to_owned(), path)];
-                    loop {
-                        let mut h = String::new();
-                        if r.read_line(&mut h).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        let h = h.trim_end();
-                        if h.is_empty() {
-                            break;
-                        }
-                        let (k, v) = h.split_once(':').unwrap();
-                        let k = k.trim().to_ascii_lowercase();
-                        headers.push((if k == "host" { ":authority".to_owned() } else { k }, v.trim().to_owned()));
-                    }
-                    let n: usize =
-                        headers.iter().find(|(k, _)| k == "content-length").map_or(0, |(_, v)| v.parse().unwrap());
-                    let mut body = vec![0; n];
-                    r.read_exact(&mut body).unwrap();
-                    let pairs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-                    let (atx, arx) = channel();
-                    if tx.send(Incoming { message: HttpMessage::new(pairs, body), answer: atx }).is_err() {
-                        return;
-                    }
-                    let Ok((status, body)) = arx.recv_timeout(WAIT) else { return };
-                    let head = format!("HTTP/1.1 {status} X\r\ncontent-length: {}\r\n\r\n", body.len());
-                    if w.write_all(head.as_bytes()).and_then(|()| w.write_all(&body)).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (url, rx)
-}
-
 /// Serve requests from the listener through `vm` until `done` says so (or time runs out);
 /// returns the statuses the filter answered.
 fn serve(host: &mut Host, vm: VmId, rx: &Receiver<Incoming>, mut done: impl FnMut(&[u32]) -> bool) -> Vec<u32> {
@@ -87,11 +24,9 @@ fn serve(host: &mut Host, vm: VmId, rx: &Receiver<Incoming>, mut done: impl FnMu
     let mut statuses = Vec::new();
     while !done(&statuses) && t.elapsed() < WAIT {
         let Ok(inc) = rx.recv_timeout(Duration::from_millis(50)) else { continue };
-        let st = host.round_trip(vm, &inc.message, None).unwrap();
-        assert!(st.upstream_headers().is_none(), "event posts are answered by the filter");
-        let (status, body) = st.local_reply().map(|l| (l.status, l.body.clone())).unwrap_or((0, Vec::new()));
+        let status = answer_incoming(host, vm, inc).unwrap();
+        assert_ne!(status, 0, "event posts are answered by the filter");
         statuses.push(status);
-        let _ = inc.answer.send((status, body));
     }
     statuses
 }
@@ -106,6 +41,7 @@ fn relay_config(url: &str, publisher: &str) -> RelayConfig {
         attempts: 1,
         queue_batches: 100,
         engines: vec![EngineConfig { endpoint: B.into(), subscriber: SubscriberConfig::new(publisher) }],
+        replica: None,
     }
 }
 
@@ -151,7 +87,7 @@ fn engine_events_reach_the_filter_through_the_relay() {
     let vms = [host.start_vm(&filter, vm_config(&cfg)).unwrap(), host.start_vm(&filter, vm_config(&cfg)).unwrap()];
 
     let ctx = zmq::Context::new();
-    let (url, rx) = envoy_listener();
+    let (url, rx) = loopback_listener().unwrap();
 
     // A relay with the wrong secret: refused, nothing applied.
     let publisher = Publisher::new(&ctx);
