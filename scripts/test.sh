@@ -17,8 +17,9 @@ fi
 rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed | grep -q '^clippy' || rustup component add clippy
 
-step "system libraries (libzmq for kvroute's \`zmq\` feature)"
+step "system libraries (libzmq for kvroute's \`zmq\` feature) and nats-server (the replica tests)"
 dpkg -s libzmq3-dev >/dev/null 2>&1 || (apt-get update && apt-get install -y libzmq3-dev pkg-config)
+dpkg -s nats-server >/dev/null 2>&1 || (apt-get update && apt-get install -y nats-server)
 
 # The native-only features of the core, tested together (one build).
 FEATURES="zmq,tokenizer"
@@ -55,7 +56,7 @@ cargo test -p kvroute --features "$FEATURES" --locked
 step "core builds for wasm32-wasip1"
 cargo build -p kvroute --target wasm32-wasip1 --locked
 
-step "Python wheel kvroute (py/): clippy, rustdoc, maturin build, pip install ./py, pytest, mypy, stubtest"
+step "Python wheel kvroute (py/): clippy, rustdoc, maturin build, pip install ./py, pytest (with a real nats-server), mypy, stubtest"
 cargo clippy -p kvroute-py --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute-py --no-deps --locked --quiet
 PYTHON="${PYTHON:-python3}"
