@@ -8,7 +8,9 @@
 #   example (shared and static), the Go example (cgo) and the C bench program (a short smoke
 #   run; the measured numbers come from ffi/bench/run.sh).
 # Installs what it needs when missing: Debian's pkg-config, libzmq3-dev, libcjson-dev (the golden
-# test reads the fixtures with cJSON), valgrind and golang-go.
+# test reads the fixtures with cJSON), valgrind, golang-go and nats-server (the replica test runs
+# against a real server this script starts on a free loopback port, storage in a temporary
+# directory, killed on exit).
 # Usage: ./scripts/test-ffi.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +19,7 @@ step() { printf '\n==> %s\n' "$*"; }
 
 step "system packages"
 missing=()
-for pkg in gcc pkg-config libzmq3-dev libcjson-dev valgrind golang-go; do
+for pkg in gcc pkg-config libzmq3-dev libcjson-dev valgrind golang-go nats-server; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -86,16 +88,44 @@ SHARED=$(pkg-config --cflags --libs kvroute)
 # Static: pkg-config's flags, with the archive picked explicitly (the build directory holds the
 # shared library too, which a plain -lkvroute would prefer).
 STATIC=$(pkg-config --cflags --static --libs kvroute | sed 's/-lkvroute\b/-l:libkvroute.a/')
-TESTS=(api errors golden golden_flow flow threads subscribe)
+TESTS=(api errors golden golden_flow flow threads subscribe replicas)
 args_of() {
   case "$1" in
     api) echo "fixtures" ;;
     golden) echo "fixtures/golden $NATIVE" ;;
     golden_flow) echo "fixtures/golden-flow $NATIVE_FLOW" ;;
     threads | flow) echo "${2:-200}" ;;
+    # the bound of each convergence wait, seconds (valgrind serializes the replication threads)
+    replicas) if [ -n "${2:-}" ]; then echo 120; else echo 30; fi ;;
     *) echo "" ;;
   esac
 }
+
+step "nats-server for ffi/tests/replicas.c (loopback, free port, token auth, temporary storage)"
+NATS_DIR=$(mktemp -d)
+NATS_PID=
+stop_nats() {
+  if [ -n "$NATS_PID" ]; then
+    kill "$NATS_PID" 2>/dev/null || true
+    wait "$NATS_PID" 2>/dev/null || true
+  fi
+  rm -rf "$NATS_DIR"
+}
+trap stop_nats EXIT
+export KVROUTE_NATS_TOKEN="ffi-test-$$-$RANDOM"
+# -p -1: a free port, written to the ports file.
+nats-server -a 127.0.0.1 -p -1 -js -sd "$NATS_DIR/js" --auth "$KVROUTE_NATS_TOKEN" \
+  --ports_file_dir "$NATS_DIR" >"$NATS_DIR/server.log" 2>&1 &
+NATS_PID=$!
+for _ in $(seq 200); do
+  [ -s "$NATS_DIR/nats-server_$NATS_PID.ports" ] && break
+  kill -0 "$NATS_PID" 2>/dev/null || { cat "$NATS_DIR/server.log" >&2; echo "nats-server exited" >&2; exit 1; }
+  sleep 0.05
+done
+KVROUTE_NATS_URL=$(grep -o 'nats://127\.0\.0\.1:[0-9]*' "$NATS_DIR/nats-server_$NATS_PID.ports" | head -1) ||
+  { cat "$NATS_DIR/server.log" >&2; echo "nats-server did not report its port within 10 s" >&2; exit 1; }
+export KVROUTE_NATS_URL
+echo "nats-server $NATS_PID on $KVROUTE_NATS_URL"
 
 step "C tests under AddressSanitizer + UndefinedBehaviorSanitizer (static library)"
 for t in "${TESTS[@]}"; do

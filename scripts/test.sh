@@ -57,7 +57,7 @@ cargo test -p kvroute --features "$FEATURES" --locked
 step "core builds for wasm32-wasip1"
 cargo build -p kvroute --target wasm32-wasip1 --locked
 
-step "Python wheel kvroute (py/): clippy, rustdoc, maturin build, pip install ./py, pytest, mypy, stubtest"
+step "Python wheel kvroute (py/): clippy, rustdoc, maturin build, pip install ./py, pytest (with a real nats-server), mypy, stubtest"
 cargo clippy -p kvroute-py --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc -p kvroute-py --no-deps --locked --quiet
 PYTHON="${PYTHON:-python3}"

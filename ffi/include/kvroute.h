@@ -5,8 +5,9 @@
  *
  * Conventions (every function follows them; its comment adds what is specific):
  *
- * - Handles: `kvroute_router`, `kvroute_decision` and `kvroute_subscription` are opaque. They are
- *   created by `kvroute_router_new`, `kvroute_router_route` and `kvroute_subscription_start`, and
+ * - Handles: `kvroute_router`, `kvroute_decision`, `kvroute_subscription` and
+ *   `kvroute_replication` are opaque. They are created by `kvroute_router_new`,
+ *   `kvroute_router_route`, `kvroute_subscription_start` and `kvroute_router_replicate`, and
  *   destroyed by the matching `_free` function, which accepts NULL. Nothing else the library
  *   returns needs freeing: there are no strings for the caller to free.
  * - Results: fallible functions return a `kvroute_result` (`int32_t`). `KVROUTE_RESULT_OK` is 0;
@@ -32,8 +33,8 @@
  *   KVROUTE_RESULT_PANIC and never unwinds into C.
  * - Threads: a router may be used by any number of threads at once (the core router is
  *   thread-safe); a decision is immutable and may be read from any thread; a subscription's
- *   functions may be called from any thread. `_free` must not race with other calls on the same
- *   handle.
+ *   and a replication's functions may be called from any thread. `_free` must not race with
+ *   other calls on the same handle.
  * - Time: every `now_ms` is milliseconds on the caller's clock (metrics timestamps use the same
  *   clock); `kvroute_now_ms()` is UNIX time, the clock subscriptions use.
  * - ABI stability: constant values never change; struct fields are never removed or reordered;
@@ -55,6 +56,14 @@
 // Immutable: any number of threads may read it at once. Free it with `kvroute_decision_free`
 // (once, when no other call uses it). It does not refer to the router: it may outlive it.
 typedef struct kvroute_decision kvroute_decision;
+
+// A running (or stopped) router replica: one native thread connected to a NATS server that
+// publishes this router's routing effects and completions and applies those of the other
+// replicas of the fleet.
+//
+// Start it with `kvroute_router_replicate`, free it with `kvroute_replication_free` (which
+// stops it). Every other function may be called from any thread, concurrently.
+typedef struct kvroute_replication kvroute_replication;
 
 // A KV-cache-aware router: policy, endpoint table, prefix indexes and in-flight tracking.
 //
@@ -558,6 +567,10 @@ typedef struct kvroute_subscriber_stats {
 // format version; nothing was applied.
 #define KVROUTE_RESULT_EFFECT_DECODE_ERROR 23
 
+// A router replica's transport could not start (`kvroute_router_replicate`: the client's
+// options, its runtime or thread).
+#define KVROUTE_RESULT_REPLICATION_ERROR 24
+
 // A panic was caught at the library boundary (a bug in kvroute: please report the message).
 // The router stays usable.
 #define KVROUTE_RESULT_PANIC 30
@@ -759,7 +772,8 @@ kvroute_result kvroute_last_error_message(char *buf,
 // (`KVROUTE_RESULT_CONFIG_ERROR`, `.` for the document root), the path of a request body field
 // (`KVROUTE_RESULT_REQUEST_ERROR`, e.g. `messages[2].content`), the metrics field
 // (`KVROUTE_RESULT_INVALID_METRICS`), the subscriber config field
-// (`KVROUTE_RESULT_SUBSCRIBE_ERROR`) or the missing event field
+// (`KVROUTE_RESULT_SUBSCRIBE_ERROR`), the replication setting (`KVROUTE_RESULT_CONFIG_ERROR`
+// from `kvroute_router_replicate`: `options` when the document does not parse) or the missing event field
 // (`KVROUTE_RESULT_EVENT_DECODE_ERROR`). Returns `KVROUTE_RESULT_ABSENT` when it names none.
 //
 // Strings out as in `kvroute_last_error_message`. Thread safety: per thread.
@@ -1874,6 +1888,126 @@ kvroute_result kvroute_subscription_local_endpoint(const struct kvroute_subscrip
 //
 // `subscription` is NULL or a live subscription, freed only once.
 void kvroute_subscription_free(struct kvroute_subscription *subscription);
+
+// Make `router` a replica of its fleet over NATS and store the running replication in `*out`.
+//
+// `options` (`options_len` bytes of UTF-8 JSON, not NUL-terminated) is the core's
+// `NatsReplicaOptions` document; unknown fields are errors and every field has a default but
+// `replica_id` (`[A-Za-z0-9_-]`, unique in the fleet):
+// `{"url": "nats://127.0.0.1:4222", "fleet": "prod", "replica_id": "gw-1", "token": "..."}`.
+// Other fields: `epoch`, `allowed_replicas`, `user`, `password`, `nkey_seed`, `tls_required`,
+// `tls_ca_file`, `tls_cert_file`, `tls_key_file`, `stream` (`{"name", "max_age_s",
+// "max_bytes", "replay", "file_storage"}` or `null` for core NATS only), `flush_interval_ms`,
+// `heartbeat_interval_ms`, `peer_silence_ms`, `max_outbox_entries`, `max_batch_entries`,
+// `max_batch_bytes`, `connect_timeout_ms`, `max_reconnect_delay_ms`.
+//
+// Returns at once: an unreachable server or refused credentials are no error (the thread
+// keeps trying; see `connected`, `server_errors` and `last_error` in
+// `kvroute_replication_stats_json`). Routing never waits on the bus. The effects and
+// completions of this router are published from now on; the `now_ms` of the replicated
+// requests is `kvroute_now_ms()`, so route with that clock.
+//
+// Errors: `KVROUTE_RESULT_CONFIG_ERROR` (malformed JSON, a wrong type, an unknown field, an
+// invalid value; the setting is in `kvroute_last_error_field`), `KVROUTE_RESULT_INVALID_UTF8`,
+// `KVROUTE_RESULT_STATE_ERROR` (the router already replicates: stop that replication first),
+// `KVROUTE_RESULT_REPLICATION_ERROR` (the transport could not start), `KVROUTE_RESULT_UNSUPPORTED`
+// (built without `nats`).
+//
+// Ownership: nothing is kept from `options`. `*out` (written only on success) is owned by the
+// caller: free it with `kvroute_replication_free`. The replication keeps the router's state
+// alive: the router handle may be freed first. One replication per router at a time.
+// NULL: `router` and `out` must not be NULL; `options` may be NULL only when `options_len` is 0
+// (which is no valid document). Thread safety: any thread.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `options` is NULL or valid for `options_len` bytes; `out`
+// is NULL or valid for one write.
+kvroute_result kvroute_router_replicate(const struct kvroute_router *router,
+                                        const char *options,
+                                        size_t options_len,
+                                        struct kvroute_replication **out);
+
+// Copy the replication's counters as JSON: the transport's (`connected`, `connects`,
+// `disconnects`, `published`, `published_bytes`, `publish_errors`, `received`,
+// `received_bytes`, `inbound_ready`, `inbound_restarts`, `server_errors`, `last_error` (a
+// string or `null`)) and the router's under `replica` (`replica_id`, `epoch`,
+// `effects_applied`, `completions_applied`, `malformed`, `unknown_replica`, `duplicates`,
+// `gaps`, `peers`, ...). After a stop, the counters at the stop. Strings out as in
+// `kvroute_router_policy_json` (the text changes between calls: call again while the result is
+// `KVROUTE_RESULT_BUFFER_TOO_SMALL`). Thread safety: any thread.
+//
+// Ownership: `replication` stays the caller's; nothing to free.
+//
+// # Safety
+//
+// `replication` is NULL or a live replication; `buf` is NULL or valid for `buf_len` bytes;
+// `needed` is NULL or valid for one write.
+kvroute_result kvroute_replication_stats_json(const struct kvroute_replication *replication,
+                                              char *buf,
+                                              size_t buf_len,
+                                              size_t *needed);
+
+// Whether the replication thread is running (false after `kvroute_replication_stop`); false
+// for NULL. Thread safety: any thread.
+//
+// Ownership: `replication` stays the caller's; nothing to free.
+//
+// # Safety
+//
+// `replication` is NULL or a live replication.
+bool kvroute_replication_is_running(const struct kvroute_replication *replication);
+
+// Publish what waits now instead of at the next flush tick (a wake-up: returns at once, the
+// publishing happens on the replication thread). A no-op after a stop. NULL: `replication`
+// must not be NULL. Thread safety: any thread.
+//
+// Ownership: `replication` stays the caller's; nothing to free.
+//
+// # Safety
+//
+// `replication` is NULL or a live replication.
+kvroute_result kvroute_replication_flush(const struct kvroute_replication *replication);
+
+// Publish what waits (bounded: about a second), stop the thread, wait for it and turn
+// replication off on the router (it keeps routing on its own state). Stopping again is a
+// no-op. The handle must still be freed. NULL: `replication` must not be NULL. Thread safety:
+// any thread.
+//
+// Ownership: `replication` stays the caller's; nothing to free.
+//
+// # Safety
+//
+// `replication` is NULL or a live replication.
+kvroute_result kvroute_replication_stop(const struct kvroute_replication *replication);
+
+// Stop (if running) and free a replication. NULL is a no-op.
+//
+// Ownership: takes back a handle from `kvroute_router_replicate`. Thread safety: no other call
+// may use this handle during or after this call; it blocks for up to about a second.
+//
+// # Safety
+//
+// `replication` is NULL or a live replication, freed only once.
+void kvroute_replication_free(struct kvroute_replication *replication);
+
+// Copy the router's replication counters as JSON (the `replica` object of
+// `kvroute_replication_stats_json`: `replica_id`, `epoch`, `batches_out`, `effects_applied`,
+// `completions_applied`, `malformed`, `duplicates`, `gaps`, `peers`, ...), or
+// `KVROUTE_RESULT_ABSENT` when replication is off (never started, or stopped). Available in
+// every build (the counters belong to the router, not to the transport). Strings out as in
+// `kvroute_router_policy_json`. Thread safety: any thread.
+//
+// Ownership: `router` stays the caller's; nothing to free.
+//
+// # Safety
+//
+// `router` is NULL or a live router; `buf` is NULL or valid for `buf_len` bytes; `needed` is
+// NULL or valid for one write.
+kvroute_result kvroute_router_replica_stats_json(const struct kvroute_router *router,
+                                                 char *buf,
+                                                 size_t buf_len,
+                                                 size_t *needed);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -72,6 +72,9 @@ pub const KVROUTE_RESULT_STATE_ERROR: kvroute_result = 22;
 /// A routing effect (`kvroute_router_apply_effect`) is truncated, malformed or of an unknown
 /// format version; nothing was applied.
 pub const KVROUTE_RESULT_EFFECT_DECODE_ERROR: kvroute_result = 23;
+/// A router replica's transport could not start (`kvroute_router_replicate`: the client's
+/// options, its runtime or thread).
+pub const KVROUTE_RESULT_REPLICATION_ERROR: kvroute_result = 24;
 /// A panic was caught at the library boundary (a bug in kvroute: please report the message).
 /// The router stays usable.
 pub const KVROUTE_RESULT_PANIC: kvroute_result = 30;
@@ -222,6 +225,21 @@ impl From<kvroute::SubscribeError> for Error {
     }
 }
 
+#[cfg(feature = "nats")]
+impl From<kvroute::ReplicaError> for Error {
+    fn from(e: kvroute::ReplicaError) -> Self {
+        use kvroute::ReplicaError as E;
+        match &e {
+            E::Config { field, .. } => {
+                let field = *field;
+                Error::new(KVROUTE_RESULT_CONFIG_ERROR, e.to_string()).with_field(field)
+            }
+            E::NotEnabled => Error::new(KVROUTE_RESULT_STATE_ERROR, e.to_string()),
+            _ => Error::new(KVROUTE_RESULT_REPLICATION_ERROR, e.to_string()),
+        }
+    }
+}
+
 #[cfg(feature = "tokenizer")]
 impl From<kvroute::TokenizeError> for Error {
     fn from(e: kvroute::TokenizeError) -> Self {
@@ -359,7 +377,8 @@ pub unsafe extern "C" fn kvroute_last_error_message(
 /// (`KVROUTE_RESULT_CONFIG_ERROR`, `.` for the document root), the path of a request body field
 /// (`KVROUTE_RESULT_REQUEST_ERROR`, e.g. `messages[2].content`), the metrics field
 /// (`KVROUTE_RESULT_INVALID_METRICS`), the subscriber config field
-/// (`KVROUTE_RESULT_SUBSCRIBE_ERROR`) or the missing event field
+/// (`KVROUTE_RESULT_SUBSCRIBE_ERROR`), the replication setting (`KVROUTE_RESULT_CONFIG_ERROR`
+/// from `kvroute_router_replicate`: `options` when the document does not parse) or the missing event field
 /// (`KVROUTE_RESULT_EVENT_DECODE_ERROR`). Returns `KVROUTE_RESULT_ABSENT` when it names none.
 ///
 /// Strings out as in `kvroute_last_error_message`. Thread safety: per thread.
@@ -432,6 +451,7 @@ pub extern "C" fn kvroute_result_name(code: kvroute_result) -> *const c_char {
             KVROUTE_RESULT_TOKENIZER_ERROR => c"KVROUTE_RESULT_TOKENIZER_ERROR",
             KVROUTE_RESULT_STATE_ERROR => c"KVROUTE_RESULT_STATE_ERROR",
             KVROUTE_RESULT_EFFECT_DECODE_ERROR => c"KVROUTE_RESULT_EFFECT_DECODE_ERROR",
+            KVROUTE_RESULT_REPLICATION_ERROR => c"KVROUTE_RESULT_REPLICATION_ERROR",
             KVROUTE_RESULT_PANIC => c"KVROUTE_RESULT_PANIC",
             KVROUTE_RESULT_INTERNAL => c"KVROUTE_RESULT_INTERNAL",
             _ => return std::ptr::null(),
@@ -489,6 +509,6 @@ mod tests {
             assert!(name.starts_with("KVROUTE_RESULT_"));
             assert!(seen.insert(name.to_owned()));
         }
-        assert_eq!(seen.len(), 24);
+        assert_eq!(seen.len(), 25);
     }
 }

@@ -4,7 +4,8 @@
     client ──POST /v1/completions──▶ gateway ──(kvroute decision)──▶ chosen model server
                                       │  ▲
                                       │  └── GET /metrics of every model server, periodically
-                                      └───── ZMQ KV events of the model servers (optional)
+                                      ├───── ZMQ KV events of the model servers (optional)
+                                      └───── the other gateways of the fleet over NATS (optional)
 
 For each ``POST /v1/completions`` and ``POST /v1/chat/completions`` the gateway:
 
@@ -36,6 +37,12 @@ For each ``POST /v1/completions`` and ``POST /v1/chat/completions`` the gateway:
 An upstream that refuses connections is marked unhealthy (502 for that request) until its
 ``/metrics`` answers again. Metrics are read with
 :meth:`kvroute.Router.update_metrics_from_prometheus` (vLLM's and SGLang's Prometheus names).
+
+Several gateways in front of the same model servers can share their routing state (requests in
+flight, where each prompt's prefix was sent) over NATS: give each ``--nats-url`` and its own
+``--replica-id`` (``--fleet`` and ``--nats-token`` as needed); :meth:`kvroute.Router.replicate`
+runs the replication on a native thread. A replication that cannot start is logged and the
+gateway routes on its own state; ``GET /healthz`` reports whether it is connected.
 Other paths: ``GET /metrics`` (kvroute's own Prometheus metrics), ``GET /healthz``.
 
 Usage::
@@ -47,7 +54,8 @@ Usage::
 
 Every option can come from the environment instead: ``KVROUTE_POLICY``, ``KVROUTE_ENDPOINTS``
 (comma-separated endpoint specs), ``KVROUTE_KV_EVENTS`` (space-separated ``--kv-events`` specs),
-``KVROUTE_LISTEN``, ``KVROUTE_METRICS_INTERVAL_S``. Endpoint ids are ``ip:port`` (kvroute's
+``KVROUTE_LISTEN``, ``KVROUTE_METRICS_INTERVAL_S``, ``KVROUTE_NATS_URL``, ``KVROUTE_REPLICA_ID``,
+``KVROUTE_FLEET``, ``KVROUTE_NATS_TOKEN``. Endpoint ids are ``ip:port`` (kvroute's
 endpoint ids); the gateway talks plain HTTP to them.
 """
 
@@ -147,6 +155,9 @@ class GatewayConfig:
     read_timeout_s: float | None = 600.0
     #: ``http`` (or ``https``) to reach the upstreams.
     scheme: str = "http"
+    #: Join a fleet of gateways over NATS: the options of :meth:`kvroute.Router.replicate`
+    #: (``url``, ``replica_id``, ``fleet``, ``token``, ...); ``None``: route alone.
+    replication: Mapping[str, Any] | None = None
 
 
 def _json_error(
@@ -183,6 +194,8 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self._subscriptions: list[kvroute.Subscription] = []
+        #: The fleet replication, when configured and started.
+        self.replication: kvroute.Replication | None = None
         #: The health each endpoint was last marked with (transitions are logged).
         self._healthy: dict[str, bool] = {}
         #: Number of completed metrics rounds (tests wait on it).
@@ -219,6 +232,7 @@ class Gateway:
                 self._subscriptions.append(self.router.subscribe(up.endpoint, up.kv_events, replay=up.kv_replay))
             except kvroute.KvrouteError as e:  # fail open: route without this endpoint's events
                 log.error("KV events of %s (%s): %s", up.endpoint, up.kv_events, e)
+        self.start_replication()
         await self.poll_metrics()
         self._poller = asyncio.create_task(self._poll_forever(), name="kvroute-metrics-poller")
 
@@ -234,8 +248,25 @@ class Gateway:
         for sub in self._subscriptions:
             sub.stop()
         self._subscriptions.clear()
+        self.stop_replication()
         if self._session is not None:
             await self._session.close()
+
+    def start_replication(self) -> None:
+        """Join the fleet (``config.replication``), unless already joined. Fails open: an error is
+        logged and the gateway routes on its own state."""
+        if self.config.replication is None or self.replication is not None:
+            return
+        try:
+            self.replication = self.router.replicate(dict(self.config.replication))
+        except kvroute.KvrouteError as e:
+            log.error("replication over NATS: %s", e)
+
+    def stop_replication(self) -> None:
+        """Leave the fleet (publishes what waits, then stops the replication thread)."""
+        if self.replication is not None:
+            self.replication.stop()
+            self.replication = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -298,7 +329,15 @@ class Gateway:
     async def handle_health(self, _request: web.Request) -> web.Response:
         """200 while at least one endpoint is healthy, else 503."""
         healthy = [e["id"] for e in self.router.endpoints() if e["healthy"]]
-        return web.json_response({"healthy_endpoints": healthy}, status=200 if healthy else 503)
+        body: dict[str, Any] = {"healthy_endpoints": healthy}
+        if self.replication is not None:
+            s = self.replication.stats()
+            body["replication"] = {
+                "replica_id": self.replication.replica_id,
+                "connected": s["connected"],
+                "last_error": s["last_error"],
+            }
+        return web.json_response(body, status=200 if healthy else 503)
 
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         """Route one OpenAI request with kvroute and proxy it to the chosen endpoint."""
@@ -428,6 +467,15 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     p.add_argument("--listen", default=env.get("KVROUTE_LISTEN", "127.0.0.1:8080"), metavar="HOST:PORT")
     p.add_argument("--metrics-interval", type=float, default=float(env.get("KVROUTE_METRICS_INTERVAL_S", "1.0")))
     p.add_argument("--log-level", default=env.get("KVROUTE_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--nats-url",
+        default=env.get("KVROUTE_NATS_URL"),
+        metavar="URL",
+        help="join a fleet of gateways over NATS (nats://host:4222); needs --replica-id",
+    )
+    p.add_argument("--replica-id", default=env.get("KVROUTE_REPLICA_ID"), help="this gateway's id in the fleet")
+    p.add_argument("--fleet", default=env.get("KVROUTE_FLEET"), help="the fleet's name (default kvroute's)")
+    p.add_argument("--nats-token", default=env.get("KVROUTE_NATS_TOKEN"), help="NATS token authentication")
     a = p.parse_args(argv)
     specs: list[str] = a.endpoint or [s for s in env.get("KVROUTE_ENDPOINTS", "").split(",") if s.strip()]
     try:
@@ -439,7 +487,20 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     if not host or not port.isdigit():
         p.error(f"--listen {a.listen!r}: expected HOST:PORT")
     policy = Path(a.policy) if a.policy else None
-    config = GatewayConfig(upstreams=upstreams, policy=policy, metrics_interval_s=a.metrics_interval)
+    replication: dict[str, Any] | None = None
+    if a.nats_url:
+        if not a.replica_id:
+            p.error("--nats-url needs --replica-id (or KVROUTE_REPLICA_ID)")
+        replication = {"url": a.nats_url, "replica_id": a.replica_id}
+        if a.fleet:
+            replication["fleet"] = a.fleet
+        if a.nats_token:
+            replication["token"] = a.nats_token
+    elif a.replica_id or a.nats_token or a.fleet:
+        p.error("--replica-id, --fleet and --nats-token need --nats-url (or KVROUTE_NATS_URL)")
+    config = GatewayConfig(
+        upstreams=upstreams, policy=policy, metrics_interval_s=a.metrics_interval, replication=replication
+    )
     return CommandLine(config, host.strip("[]"), int(port), a.log_level.upper())
 
 

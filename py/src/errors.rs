@@ -234,3 +234,42 @@ pub(crate) fn metrics(py: Python<'_>, e: &kvroute::MetricsError) -> PyErr {
     };
     build(py, "MetricsError", e.to_string(), attrs)
 }
+
+/// `ReplicationConfigError` (invalid options) or `ReplicationError`.
+pub(crate) fn replica(py: Python<'_>, e: &kvroute::ReplicaError) -> PyErr {
+    use kvroute::ReplicaError as E;
+    match e {
+        E::Config { field, reason } => build(
+            py,
+            "ReplicationConfigError",
+            e.to_string(),
+            Attrs::new(py, "invalid_options")
+                .and_then(|a| a.set("field", *field))
+                .and_then(|a| a.set("reason", reason)),
+        ),
+        E::NotEnabled => build(py, "ReplicationError", e.to_string(), Attrs::new(py, "not_enabled")),
+        E::Malformed(reason) => build(
+            py,
+            "ReplicationError",
+            e.to_string(),
+            Attrs::new(py, "malformed").and_then(|a| a.set("reason", reason)),
+        ),
+        E::Transport(reason) => build(
+            py,
+            "ReplicationError",
+            e.to_string(),
+            Attrs::new(py, "transport").and_then(|a| a.set("reason", reason)),
+        ),
+        _ => build(py, "ReplicationError", e.to_string(), Attrs::new(py, "other")),
+    }
+}
+
+/// `ReplicationError` (kind `already_replicating`): the router replicates already.
+pub(crate) fn already_replicating(py: Python<'_>, replica_id: &str) -> PyErr {
+    build(
+        py,
+        "ReplicationError",
+        format!("the router already replicates as {replica_id:?}: stop that replication first"),
+        Attrs::new(py, "already_replicating").and_then(|a| a.set("replica_id", replica_id)),
+    )
+}

@@ -18,6 +18,9 @@
 //!   queued ticket and is called at every dispatch opportunity;
 //! - `Subscription` (src/subscription.rs) runs the core's ZMQ subscriber: a native thread that feeds
 //!   KV events to the router with no Python on the way;
+//! - `Replication` (src/replication.rs) runs the core's NATS replica transport (`Router.replicate`):
+//!   a native thread that publishes the router's replica batches and applies the fleet's, with
+//!   no Python on the way;
 //! - `simulate` (src/sim.rs) exposes the trace simulator of `kvroute-sim`.
 
 mod convert;
@@ -25,6 +28,7 @@ mod decision;
 mod errors;
 mod flow;
 mod policy;
+mod replication;
 mod router;
 mod sim;
 mod subscription;
@@ -51,6 +55,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<decision::EndpointScore>()?;
     m.add_class::<decision::ApplyOutcome>()?;
     m.add_class::<subscription::Subscription>()?;
+    m.add_class::<replication::Replication>()?;
     m.add_class::<flow::Admission>()?;
     m.add_class::<flow::Rejection>()?;
     m.add_class::<flow::Release>()?;

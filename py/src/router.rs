@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList, PyString};
 
 use kvroute::{EndpointSpec, MetricsSnapshot, Role};
 
@@ -20,6 +20,7 @@ use crate::decision::{ApplyOutcome, Decision};
 use crate::errors;
 use crate::flow::{Admission, FlowHold, Release, MODE_AWAIT, MODE_TICKETS};
 use crate::policy::Policy;
+use crate::replication::Replication;
 use crate::subscription::Subscription;
 
 fn role(s: &str) -> PyResult<Role> {
@@ -288,6 +289,61 @@ impl Router {
         match started {
             Ok(s) => Ok(Subscription::new(s)),
             Err(e) => Err(errors::subscribe(py, &e)),
+        }
+    }
+
+    /// Join this router's fleet over NATS: a native background thread publishes this router's
+    /// routing effects and completions and applies the other replicas' (their requests in flight
+    /// and the prefixes they routed), with no Python on the way. Returns a running
+    /// `Replication` (stop it with `stop()`, a `with` block, or by dropping it).
+    ///
+    /// `options`: a dict or JSON text, the core's `NatsReplicaOptions`: `replica_id` (required,
+    /// `[A-Za-z0-9_-]`, unique in the fleet), `url` (default `nats://127.0.0.1:4222`), `fleet`,
+    /// `token` / `user` + `password` / `nkey_seed`, `tls_required`, `tls_ca_file`,
+    /// `tls_cert_file`, `tls_key_file`, `stream` (a dict, or None for core NATS only),
+    /// `allowed_replicas`, `epoch` and the timers and bounds (`flush_interval_ms`,
+    /// `heartbeat_interval_ms`, `peer_silence_ms`, `max_outbox_entries`, `max_batch_entries`,
+    /// `max_batch_bytes`, `connect_timeout_ms`, `max_reconnect_delay_ms`). Unknown keys are
+    /// errors.
+    ///
+    /// An unreachable server or refused credentials are no error: the thread keeps trying (see
+    /// `stats()["connected"]`, `["server_errors"]`, `["last_error"]`). Replicated requests are
+    /// stamped with `now_ms()`: route with that clock. Raises `ReplicationConfigError` (a
+    /// `ConfigError` and a `ReplicationError`; `field` names the setting, `"options"` when the
+    /// document does not parse), `ReplicationError` (kind `"already_replicating"`: stop the
+    /// running replication first; `"transport"`: the client could not start), `TypeError`.
+    fn replicate(&self, py: Python<'_>, options: &Bound<'_, PyAny>) -> PyResult<Replication> {
+        let text = if let Ok(s) = options.cast::<PyString>() {
+            s.to_str()?.to_owned()
+        } else if options.is_instance_of::<PyDict>() {
+            convert::json_dumps(options)?.to_str()?.to_owned()
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "options must be a dict or JSON text (str), not {}",
+                convert::type_name(options)
+            )));
+        };
+        let opts = py.detach(|| kvroute::NatsReplicaOptions::from_json(&text)).map_err(|e| errors::replica(py, &e))?;
+        // Two transports would drain one outbox: refuse a second while one runs.
+        if let Some(s) = py.detach(|| self.inner.replica_stats()) {
+            return Err(errors::already_replicating(py, &s.replica_id));
+        }
+        let (id, fleet) = (opts.replica_id.clone(), opts.fleet.clone());
+        let router = self.inner.clone();
+        match py.detach(|| kvroute::Replicator::start(router, opts)) {
+            Ok(r) => Ok(Replication::new(r, id, fleet)),
+            Err(e) => Err(errors::replica(py, &e)),
+        }
+    }
+
+    /// The router's replication counters (a dict: `replica_id`, `epoch`, `batches_out`,
+    /// `entries_out`, `outbox_len`, `batches_in`, `effects_applied`, `completions_applied`,
+    /// `malformed`, `unknown_replica`, `duplicates`, `gaps`, `peers`, ...), or None when it does
+    /// not replicate (never started, or stopped).
+    fn replica_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match py.detach(|| self.inner.replica_stats()) {
+            Some(s) => convert::serde_to_py(py, &s).map(Some),
+            None => Ok(None),
         }
     }
 

@@ -28,6 +28,7 @@ from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 import kvroute  # noqa: E402
+from conftest import Nats  # noqa: E402
 
 GATEWAY_PY = Path(__file__).resolve().parents[1] / "examples" / "gateway.py"
 #: Hard limit of one test's event loop.
@@ -531,6 +532,47 @@ def test_command_line_and_environment() -> None:
     with pytest.raises(SystemExit):
         gateway.parse_args(["--endpoint", "10.0.0.1:8000", "--kv-events", "10.0.0.9:8000=tcp://x:1"], env={})
 
+
+
+def test_command_line_fleet_options() -> None:
+    """--nats-url, --replica-id, --fleet, --nats-token (or the environment) give the options of
+    `Router.replicate`; none: no replication."""
+    cl = gateway.parse_args(
+        ["--nats-url", "nats://10.0.9.1:4222", "--replica-id", "gw-1", "--fleet", "prod", "--nats-token", "t"], env={}
+    )
+    assert cl.config.replication == {"url": "nats://10.0.9.1:4222", "replica_id": "gw-1", "fleet": "prod", "token": "t"}
+    cl = gateway.parse_args([], env={"KVROUTE_NATS_URL": "nats://10.0.9.1:4222", "KVROUTE_REPLICA_ID": "gw-2"})
+    assert cl.config.replication == {"url": "nats://10.0.9.1:4222", "replica_id": "gw-2"}
+    assert gateway.parse_args([], env={}).config.replication is None
+    with pytest.raises(SystemExit):
+        gateway.parse_args(["--nats-url", "nats://10.0.9.1:4222"], env={})
+    with pytest.raises(SystemExit):
+        gateway.parse_args(["--replica-id", "gw-1"], env={})
+
+
+def test_gateway_joins_its_fleet(nats: Nats) -> None:
+    """With `replication` set, the gateway replicates from startup (reported by /healthz) to
+    cleanup; bad options are logged and the gateway routes alone."""
+    config = gateway.GatewayConfig(
+        upstreams=[gateway.Upstream.parse("10.0.0.1:8000")],
+        replication={"url": nats.url, "token": nats.token, "fleet": "gw", "replica_id": "gw-1"},
+    )
+    gw = gateway.Gateway(config)
+    gw.start_replication()
+    try:
+        assert gw.replication is not None and gw.replication.running
+        deadline = time.monotonic() + WAIT_S
+        while not gw.replication.stats()["connected"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        body = json.loads(asyncio.run(gw.handle_health(None)).text)
+        assert body["replication"]["replica_id"] == "gw-1" and body["replication"]["connected"] is True
+        assert gw.router.replica_stats()["replica_id"] == "gw-1"
+    finally:
+        gw.stop_replication()
+    assert gw.replication is None and gw.router.replica_stats() is None
+    bad = gateway.Gateway(gateway.GatewayConfig(replication={"replica_id": "no spaces allowed"}))
+    bad.start_replication()
+    assert bad.replication is None
 
 
 # --------------------------------------------------------------------------------------------

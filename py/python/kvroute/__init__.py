@@ -24,6 +24,10 @@ cancelling the awaiting task takes the request out of the queue. ``Router.enqueu
 ``take_releases`` and ``cancel`` are the same protocol with tickets, for callers that hold the
 waiting requests themselves.
 
+To share in-flight requests and routed prefixes with the other routers of a fleet, join it
+over NATS: ``with router.replicate({"url": "nats://...", "replica_id": "gw-1"}) as rep:`` (a
+native thread; :class:`Replication`).
+
 Every ``now`` argument is milliseconds on the router's clock; it defaults to :func:`now_ms`
 (UNIX milliseconds), the clock :meth:`Router.subscribe` feeds events with.
 """
@@ -37,6 +41,8 @@ from kvroute._errors import (
     KvrouteError,
     MetricsError,
     NoEndpointsError,
+    ReplicationConfigError,
+    ReplicationError,
     RequestError,
     SimulationError,
     StateError,
@@ -54,6 +60,7 @@ from kvroute._native import (
     Policy,
     Rejection,
     Release,
+    Replication,
     Router,
     Shed,
     SimulationResult,
@@ -81,6 +88,9 @@ __all__ = [
     "RejectedError",
     "Rejection",
     "Release",
+    "Replication",
+    "ReplicationConfigError",
+    "ReplicationError",
     "RequestError",
     "Router",
     "Shed",

@@ -24,6 +24,8 @@ __all__ = [
     "MetricsError",
     "SimulationError",
     "RejectedError",
+    "ReplicationError",
+    "ReplicationConfigError",
 ]
 
 #: The response header that carries why flow control refused or dropped a request (llm-d's;
@@ -196,6 +198,27 @@ class RejectedError(KvrouteError):
         return {HEADER_DROPPED_REASON: self.reason}
 
 
+class ReplicationError(KvrouteError):
+    """Router replication (``Router.replicate``) was refused or could not start.
+
+    ``kind``: ``"invalid_options"`` (a :class:`ReplicationConfigError`: ``field``, ``reason``),
+    ``"already_replicating"`` (``replica_id``: the router already replicates; stop that
+    replication first), ``"transport"`` (``reason``: the NATS client or its thread could not
+    start), ``"not_enabled"`` or ``"malformed"``. An unreachable server or refused credentials
+    are not errors: see ``Replication.stats()``.
+    """
+
+    field: str | None = None
+    reason: str | None = None
+    replica_id: str | None = None
+
+
+class ReplicationConfigError(ReplicationError, ConfigError):
+    """The replication options are invalid: malformed JSON, an unknown key, a wrong type or a
+    value out of range. ``kind`` is ``"invalid_options"``; ``field`` names the setting
+    (``"options"`` when the document itself does not parse, the message then says where)."""
+
+
 # Shown (and pickled) as `kvroute.ConfigError` etc.: this module is an implementation detail.
 for _cls in (
     KvrouteError,
@@ -209,6 +232,8 @@ for _cls in (
     MetricsError,
     SimulationError,
     RejectedError,
+    ReplicationError,
+    ReplicationConfigError,
 ):
     _cls.__module__ = "kvroute"
 del _cls
