@@ -234,7 +234,7 @@ impl From<kvroute::ReplicaError> for Error {
                 let field = *field;
                 Error::new(KVROUTE_RESULT_CONFIG_ERROR, e.to_string()).with_field(field)
             }
-            E::NotEnabled => Error::new(KVROUTE_RESULT_STATE_ERROR, e.to_string()),
+            E::NotEnabled | E::AlreadyEnabled { .. } => Error::new(KVROUTE_RESULT_STATE_ERROR, e.to_string()),
             _ => Error::new(KVROUTE_RESULT_REPLICATION_ERROR, e.to_string()),
         }
     }

@@ -24,7 +24,7 @@ mod imp {
 
     use kvroute::{NatsReplicaOptions, Replicator, ReplicatorStats};
 
-    use crate::error::{Error, Result, KVROUTE_RESULT_STATE_ERROR};
+    use crate::error::Result;
     use crate::router::kvroute_router;
 
     pub(super) struct Handle {
@@ -35,13 +35,6 @@ mod imp {
 
     pub(super) fn start(router: &kvroute_router, options: &str) -> Result<Handle> {
         let opts = NatsReplicaOptions::from_json(options)?;
-        // Two transports would drain one outbox: refuse a second while one runs.
-        if let Some(s) = router.inner.replica_stats() {
-            return Err(Error::new(
-                KVROUTE_RESULT_STATE_ERROR,
-                format!("the router already replicates as {:?}: stop that replication first", s.replica_id),
-            ));
-        }
         let r = Replicator::start(router.inner.clone(), opts)?;
         Ok(Handle { running: Mutex::new(Some(r)), last: Mutex::new(None) })
     }
@@ -68,13 +61,7 @@ mod imp {
             // Taken out of the lock first: the join (up to about a second) holds no lock.
             let taken = self.running.lock().unwrap_or_else(PoisonError::into_inner).take();
             if let Some(r) = taken {
-                // Read before the stop: stopping turns replication off on the router, which
-                // drops its replication counters (the core's `stop` returns none), so the
-                // batches of the final flush are not in these.
-                let mut s = r.stats();
-                r.stop();
-                s.connected = false;
-                s.inbound_ready = false;
+                let s = r.stop();
                 *self.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(s);
             }
         }

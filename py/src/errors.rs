@@ -248,6 +248,7 @@ pub(crate) fn replica(py: Python<'_>, e: &kvroute::ReplicaError) -> PyErr {
                 .and_then(|a| a.set("reason", reason)),
         ),
         E::NotEnabled => build(py, "ReplicationError", e.to_string(), Attrs::new(py, "not_enabled")),
+        E::AlreadyEnabled { replica_id } => already_replicating(py, replica_id),
         E::Malformed(reason) => build(
             py,
             "ReplicationError",

@@ -37,12 +37,7 @@ impl Replication {
     fn stop_now(&self) {
         let taken = self.running.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(r) = taken {
-            // Read before the stop: stopping turns replication off on the router, which drops
-            // its replication counters (the core's `stop` returns none).
-            let mut s = r.stats();
-            r.stop();
-            s.connected = false;
-            s.inbound_ready = false;
+            let s = r.stop();
             *self.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(s);
         }
     }

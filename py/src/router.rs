@@ -324,10 +324,6 @@ impl Router {
             )));
         };
         let opts = py.detach(|| kvroute::NatsReplicaOptions::from_json(&text)).map_err(|e| errors::replica(py, &e))?;
-        // Two transports would drain one outbox: refuse a second while one runs.
-        if let Some(s) = py.detach(|| self.inner.replica_stats()) {
-            return Err(errors::already_replicating(py, &s.replica_id));
-        }
         let (id, fleet) = (opts.replica_id.clone(), opts.fleet.clone());
         let router = self.inner.clone();
         match py.detach(|| kvroute::Replicator::start(router, opts)) {

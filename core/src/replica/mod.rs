@@ -144,6 +144,12 @@ pub enum ReplicaError {
     /// Replication is not enabled on this router.
     #[error("replication is not enabled")]
     NotEnabled,
+    /// The router replicates already (a transport runs for it): stop that one first.
+    #[error("the router already replicates as {replica_id:?}: stop that replication first")]
+    AlreadyEnabled {
+        /// The replica id it replicates as.
+        replica_id: String,
+    },
     /// The batch's bytes are not a replica batch (truncated, bad magic, unknown version, a bad
     /// entry). Nothing of it was applied.
     #[error("malformed replica batch: {0}")]

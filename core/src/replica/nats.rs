@@ -315,14 +315,21 @@ impl std::fmt::Debug for Replicator {
 }
 
 impl Replicator {
-    /// Enable replication on `router` and start the transport thread. Errors are bad options or a
-    /// runtime that cannot start; an unreachable server is not an error (the client keeps trying,
-    /// see [`ReplicatorStats::connected`]).
+    /// Enable replication on `router` and start the transport thread. Errors are bad options, a
+    /// router that replicates already (`AlreadyEnabled`) or a runtime that cannot start; an
+    /// unreachable server is not an error (the client keeps trying, see
+    /// [`ReplicatorStats::connected`]).
     pub fn start(router: Arc<Router>, opts: NatsReplicaOptions) -> Result<Replicator, ReplicaError> {
         opts.validate()?;
         let epoch = opts.epoch.unwrap_or_else(|| unix_time_ms().max(1));
-        router.enable_replication(opts.replica_config(epoch))?;
-        Replicator::start_port(router, opts)
+        // Two transports would drain one outbox: refuse a second one (checked and enabled under
+        // one lock, so two concurrent starts cannot both pass).
+        let cfg = opts.replica_config(epoch);
+        router.with_core(|c| match c.replica_config() {
+            Some(on) => Err(ReplicaError::AlreadyEnabled { replica_id: on.replica_id.clone() }),
+            None => c.enable_replication(cfg),
+        })?;
+        Replicator::start_port(router.clone(), opts).inspect_err(|_| router.disable_replication())
     }
 
     /// Start the transport for any [`ReplicaPort`] (`opts.epoch` and the ids are the port's
@@ -371,24 +378,27 @@ impl Replicator {
     }
 
     /// Publish what waits (bounded: at most a second), stop the thread and turn replication off on
-    /// the router.
-    pub fn stop(mut self) {
-        self.shutdown();
+    /// the router. Returns the counters at the end (the final flush included).
+    pub fn stop(mut self) -> ReplicatorStats {
+        self.shutdown().unwrap_or_default()
     }
 
-    fn shutdown(&mut self) {
+    fn shutdown(&mut self) -> Option<ReplicatorStats> {
         self.shared.stop.store(true, Ordering::Relaxed);
         self.wake.notify_one();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-            self.port.stopped();
-        }
+        let t = self.thread.take()?;
+        let _ = t.join();
+        let mut s = self.stats();
+        s.connected = false;
+        s.inbound_ready = false;
+        self.port.stopped();
+        Some(s)
     }
 }
 
 impl Drop for Replicator {
     fn drop(&mut self) {
-        self.shutdown();
+        let _ = self.shutdown();
     }
 }
 
