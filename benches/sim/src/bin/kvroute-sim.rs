@@ -259,16 +259,7 @@ fn run(args: &Args) -> Result<(), SimError> {
     let started = Instant::now();
     let policy = load_policy(args)?;
     let policy_name = args.policy.as_ref().map_or_else(|| "default".to_owned(), |p| p.display().to_string());
-    let cluster = ClusterConfig {
-        endpoints: args.endpoints.unwrap_or(DEFAULT_ENDPOINTS),
-        cache_tokens: args.cache_tokens,
-        kv_tokens: args.kv_tokens,
-        prefill_tokens_per_s: args.prefill_tps,
-        prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
-        tpot_ms: args.tpot_ms,
-        batch_reference: DEFAULT_BATCH_REFERENCE,
-        metrics_interval_ms: args.metrics_interval_ms,
-    };
+    let cluster = cluster_of(args, DEFAULT_ENDPOINTS);
     cluster.validate()?;
 
     let (workload, description) = match &args.trace {
@@ -362,16 +353,7 @@ fn run(args: &Args) -> Result<(), SimError> {
 /// `--scenario noisy-neighbor`.
 fn run_noisy(args: &Args) -> Result<(), SimError> {
     let started = Instant::now();
-    let cluster = ClusterConfig {
-        endpoints: args.endpoints.unwrap_or(noisy::sim::DEFAULT_ENDPOINTS),
-        cache_tokens: args.cache_tokens,
-        kv_tokens: args.kv_tokens,
-        prefill_tokens_per_s: args.prefill_tps,
-        prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
-        tpot_ms: args.tpot_ms,
-        batch_reference: DEFAULT_BATCH_REFERENCE,
-        metrics_interval_ms: args.metrics_interval_ms,
-    };
+    let cluster = cluster_of(args, noisy::sim::DEFAULT_ENDPOINTS);
     cluster.validate()?;
     let duration = args.duration_s.unwrap_or(if args.quick { 20.0 } else { noisy::sim::DEFAULT_DURATION_S });
     let mut s = noisy::sim::SimScenario::new(cluster, noisy::sim::DEFAULT_SHAPE, duration, args.seed);
@@ -450,6 +432,7 @@ fn load_policy(args: &Args) -> Result<Policy, SimError> {
     }
 }
 
+/// The cluster the flags describe (`endpoints` unless `--endpoints` says otherwise).
 fn cluster_of(args: &Args, endpoints: u32) -> ClusterConfig {
     ClusterConfig {
         endpoints: args.endpoints.unwrap_or(endpoints),
