@@ -17,8 +17,9 @@ fn check(body: &[u8]) {
 
 #[test]
 fn fast_path_reads_token_ids() {
-    let r = RouteRequest::parse(br#"{"model":"m","prompt":[1, 2,3 ,4294967295]}"#, [("a", "b")], &RequestConfig::default())
-        .unwrap();
+    let r =
+        RouteRequest::parse(br#"{"model":"m","prompt":[1, 2,3 ,4294967295]}"#, [("a", "b")], &RequestConfig::default())
+            .unwrap();
     assert_eq!(r.prompts, vec![Prompt::Tokens(vec![1, 2, 3, u32::MAX])]);
     let r = RouteRequest::parse(br#"{"prompt":[[1,2], [3]],"model":"m"}"#, [("a", "b")], &RequestConfig::default())
         .unwrap();

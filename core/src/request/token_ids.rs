@@ -179,6 +179,26 @@ fn scan_ids(body: &[u8], start: usize, capacity: usize) -> Option<(Vec<u32>, usi
 
 const ONES: u64 = 0x0101_0101_0101_0101;
 const HIGHS: u64 = 0x8080_8080_8080_8080;
+const LOWS: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+
+/// Per-byte top bit set iff the byte is no ASCII digit: `t` holds each byte xor `'0'` (each
+/// digit's value, for digits), and a byte is a digit iff that is below 10, i.e. neither `t` nor
+/// its low seven bits plus 0x76 has the top bit (exact for every byte: that sum never carries
+/// into the next byte).
+fn non_digit_bytes(w: u64) -> u64 {
+    let t = w ^ (0x30 * ONES);
+    (((t & LOWS) + 0x76 * ONES) | t) & HIGHS
+}
+
+/// The value of the first `n` (1..=8) digit values in `t` (one a byte, the most significant in
+/// the lowest byte): shifted so that the bytes below them are zeros (leading zero digits), then
+/// combined pairwise.
+fn swar_digits(t: u64, n: usize) -> u64 {
+    let d = t << (8 * (8 - n));
+    let d = (d & (0x0f * ONES)).wrapping_mul(10 * 256 + 1) >> 8;
+    let d = (d & 0x00ff_00ff_00ff_00ff).wrapping_mul(100 * 65_536 + 1) >> 16;
+    (d & 0x0000_ffff_0000_ffff).wrapping_mul(10_000 * (1 << 32) + 1) >> 32
+}
 
 /// One token id at `i`: a plain JSON integer (`0`, or a non-zero digit then digits) in
 /// `0..=u32::MAX`, followed by a byte that is no digit, `.`, `e` or `E` (anything else is
@@ -186,24 +206,15 @@ const HIGHS: u64 = 0x8080_8080_8080_8080;
 fn scan_id(body: &[u8], i: usize) -> Option<(u32, usize)> {
     let (mut v, mut n) = match body.get(i..i + 8) {
         Some(chunk) => {
-            // Eight bytes at once: `t` holds each byte minus `'0'` (xor is the same for digits);
-            // a byte is a digit iff that is below 10, i.e. neither `t` nor `t + 0x76` has its top
-            // bit. A carry out of a non-digit byte only reaches later bytes, so the lowest
-            // flagged byte is the first non-digit.
+            // Eight bytes at once: the digits run up to the first non-digit byte.
             let w = u64::from_le_bytes(<[u8; 8]>::try_from(chunk).ok()?);
             let t = w ^ (0x30 * ONES);
-            let non_digit = (t.wrapping_add(0x76 * ONES) | t) & HIGHS;
+            let non_digit = non_digit_bytes(w);
             let n = (non_digit.trailing_zeros() / 8) as usize;
             if n == 0 {
                 return None;
             }
-            // The first n digits, most significant in the lowest byte, shifted so that the
-            // bytes below them are zeros (leading zero digits), then combined pairwise.
-            let d = t << (8 * (8 - n));
-            let d = (d & (0x0f * ONES)).wrapping_mul(10 * 256 + 1) >> 8;
-            let d = (d & 0x00ff_00ff_00ff_00ff).wrapping_mul(100 * 65_536 + 1) >> 16;
-            let d = (d & 0x0000_ffff_0000_ffff).wrapping_mul(10_000 * (1 << 32) + 1) >> 32;
-            (d, n)
+            (swar_digits(t, n), n)
         }
         None => {
             let mut v = 0u64;
@@ -252,13 +263,25 @@ mod tests {
     #[test]
     fn scans_plain_ids() {
         assert_eq!(ids("[0]"), Some(vec![0]));
-        assert_eq!(ids("[1,22,333,4444,55555,666666,7777777,88888888,999999999,4294967295]"), Some(vec![
-            1, 22, 333, 4444, 55555, 666666, 7777777, 88888888, 999999999, 4294967295
-        ]));
+        assert_eq!(
+            ids("[1,22,333,4444,55555,666666,7777777,88888888,999999999,4294967295]"),
+            Some(vec![1, 22, 333, 4444, 55555, 666666, 7777777, 88888888, 999999999, 4294967295])
+        );
         assert_eq!(ids("[ 1 , 2\n,\t3\r]"), Some(vec![1, 2, 3]));
         assert_eq!(ids("[12345678901234,0]"), None);
         for bad in ["[4294967296]", "[01]", "[1.0]", "[1e3]", "[-1]", "[+1]", "[1,]", "[]", "[1 2]", "[\"1\"]", "[1"] {
             assert_eq!(ids(bad), None, "{bad}");
+        }
+        // Long lists, in various separators, with a bad id somewhere.
+        for sep in [",", ", ", " ,", ",\n", ",  "] {
+            let want: Vec<u32> = (0..300u32).map(|k| k.wrapping_mul(2_654_435_761) >> (k % 32)).collect();
+            let items: Vec<String> = want.iter().map(u32::to_string).collect();
+            assert_eq!(ids(&format!("[{}]", items.join(sep))), Some(want.clone()), "{sep:?}");
+            for (at, bad) in [(17, "01"), (40, "4294967296"), (90, "1.5"), (150, "-1"), (299, "12345678901")] {
+                let mut items = items.clone();
+                items[at] = bad.to_owned();
+                assert_eq!(ids(&format!("[{}]", items.join(sep))), None, "{sep:?} {bad}");
+            }
         }
         // Every length of id at every offset around the 8-byte load.
         for n in 1..=10u32 {
