@@ -33,6 +33,7 @@ for src in fuzz_targets/*.rs; do
     decode_batch | event_apply) dict=(-dict=decode_batch.dict) ;;
     policy) dict=(-dict=policy.dict) ;;
     metrics) dict=(-dict=metrics.dict) ;;
+    token_ids) dict=(-dict=token_ids.dict) ;;
   esac
   rm -rf "${scratch:?}/$t"
   mkdir -p "$scratch/$t" "$scratch/artifacts"

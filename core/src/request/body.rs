@@ -85,14 +85,29 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
     }
 }
 
+/// The body: the token-id fast path ([`super::token_ids`]) when the prompt is a plain token-id
+/// list, else serde alone ([`parse_body_serde`]), which also gives every error.
 pub(super) fn parse_body(body: &[u8]) -> Result<RawBody, RequestError> {
+    match super::token_ids::parse_fast(body) {
+        Some(raw) => Ok(raw),
+        None => parse_body_serde(body),
+    }
+}
+
+/// Plain serde_json, no path tracking: `None` when the body is not valid.
+pub(super) fn parse_body_plain(body: &[u8]) -> Option<RawBody> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let ObjectOnly(raw) = ObjectOnly::<RawBody>::deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    Some(raw)
+}
+
+/// The body read by serde alone (the reference the token-id fast path must agree with).
+pub(super) fn parse_body_serde(body: &[u8]) -> Result<RawBody, RequestError> {
     // Fast path: plain serde_json. Only a body that fails is parsed again with path tracking,
     // so errors still name the field and valid bodies do not pay for it.
-    let mut de = serde_json::Deserializer::from_slice(body);
-    if let Ok(ObjectOnly(raw)) = ObjectOnly::<RawBody>::deserialize(&mut de) {
-        if de.end().is_ok() {
-            return Ok(raw);
-        }
+    if let Some(raw) = parse_body_plain(body) {
+        return Ok(raw);
     }
     let mut de = serde_json::Deserializer::from_slice(body);
     let raw: RawBody = match serde_path_to_error::deserialize(&mut de) {

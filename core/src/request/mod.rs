@@ -7,6 +7,7 @@ mod body;
 mod chat;
 mod headers;
 mod media;
+mod token_ids;
 
 pub use chat::{ChatInput, ChatMessage, ChatMessageRef, ChatMessages, ChatMessagesIter, RawJson};
 pub use media::{ChatMedia, KeyLimit, MediaKey, MEDIA_PART_TOKENS};
@@ -14,7 +15,7 @@ pub use media::{ChatMedia, KeyLimit, MediaKey, MEDIA_PART_TOKENS};
 use crate::config::RequestConfig;
 use crate::error::RequestError;
 
-use body::{parse_body, PromptEmbeds};
+use body::{parse_body, parse_body_serde, PromptEmbeds, RawBody};
 use headers::HeaderValues;
 use media::render_chat;
 
@@ -258,6 +259,35 @@ impl RouteRequest {
         body: &[u8],
         headers: impl IntoIterator<Item = (K, V)>,
         cfg: &RequestConfig,
+    ) -> Result<RouteRequest, RequestError>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        Self::parse_with(body, headers, cfg, parse_body)
+    }
+
+    /// [`RouteRequest::parse`] without the token-id fast path: serde reads the whole body. Its
+    /// result is the reference the fast path must equal (the differential tests and the
+    /// `token_ids` fuzz target); no caller needs it otherwise.
+    #[doc(hidden)]
+    pub fn parse_serde_only<K, V>(
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        cfg: &RequestConfig,
+    ) -> Result<RouteRequest, RequestError>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        Self::parse_with(body, headers, cfg, parse_body_serde)
+    }
+
+    fn parse_with<K, V>(
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        cfg: &RequestConfig,
+        parse_body: fn(&[u8]) -> Result<RawBody, RequestError>,
     ) -> Result<RouteRequest, RequestError>
     where
         K: AsRef<str>,
