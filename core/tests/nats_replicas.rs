@@ -238,3 +238,33 @@ fn a_flood_of_effects_keeps_memory_bounded() {
     assert!(a.stats().inflight_requests <= max_inflight && b.stats().inflight_requests <= max_inflight);
     eprintln!("flood: {:?}\n{:?}", s, rb.stats());
 }
+
+#[test]
+fn bad_options_are_typed_errors_and_change_nothing() {
+    use kvroute::ReplicaError;
+    for bad in [
+        "{",
+        r#"{"replica_id": "a", "bogus": 1}"#,
+        r#"{"replica_id": "a.b"}"#,
+        r#"{"replica_id": ""}"#,
+        r#"{"replica_id": "a", "flush_interval_ms": 0}"#,
+        r#"{"replica_id": "a", "password": "p"}"#,
+        r#"{"replica_id": "a", "stream": {"max_bytes": -1}}"#,
+        r#"{"replica_id": 7}"#,
+    ] {
+        let r = NatsReplicaOptions::from_json(bad).and_then(|o| o.validate().map(|()| o));
+        assert!(matches!(r, Err(ReplicaError::Config { .. })), "{bad}: {r:?}");
+    }
+    // A router that replicates already is refused, and its replication is left as it was.
+    let a = router();
+    let nats = NatsServer::start(Some(TOKEN));
+    let ra = Replicator::start(a.clone(), opts(&nats, "a")).unwrap();
+    let again = Replicator::start(a.clone(), opts(&nats, "a2"));
+    assert!(matches!(again, Err(ReplicaError::AlreadyEnabled { ref replica_id }) if replica_id == "a"), "{again:?}");
+    assert_eq!(a.replica_stats().unwrap().replica_id, "a");
+    route(&a, 5, "still");
+    assert!(wait_until(30, || ra.stats().replica.own > 0).is_some());
+    let last = ra.stop();
+    assert!(!last.connected && last.published > 0, "{last:?}");
+    assert!(a.replica_stats().is_none());
+}
