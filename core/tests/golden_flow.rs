@@ -208,12 +208,7 @@ fn run_case(path: &Path) -> Vec<String> {
 
 #[test]
 fn golden_flow_fixture_suite() {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
+    let files = kvroute_sim::golden::json_files(&dir()).unwrap();
     assert!(files.len() >= 6, "the suite has at least 6 cases, found {}", files.len());
     let mut all = Vec::new();
     let mut ops = std::collections::BTreeSet::new();

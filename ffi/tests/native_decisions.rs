@@ -93,13 +93,7 @@ fn replay(case: &Value, out: &mut String) -> usize {
 
 #[test]
 fn native_decisions_of_the_golden_fixtures() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/golden");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
+    let files = kvroute_sim::golden::files().unwrap();
     let mut out = String::new();
     let mut routes = 0;
     for f in &files {

@@ -201,13 +201,7 @@ fn replay(case: &Value, out: &mut String) -> usize {
 
 #[test]
 fn native_trace_of_the_flow_fixtures() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/golden-flow");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
+    let files = kvroute_sim::golden::json_files(&kvroute_sim::golden::flow_dir()).unwrap();
     let mut out = String::new();
     let mut steps = 0;
     for f in &files {

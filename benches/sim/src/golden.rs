@@ -58,10 +58,19 @@ pub fn dir() -> PathBuf {
 
 /// The suite's files (`*.json` in [`dir`]), sorted by name.
 pub fn files() -> Result<Vec<PathBuf>, FixtureError> {
-    let dir = dir();
+    json_files(&dir())
+}
+
+/// The directory of the flow-control suite (`fixtures/golden-flow`).
+pub fn flow_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/golden-flow")
+}
+
+/// The `*.json` files of `dir`, sorted by name (the fixture suites' listing, for every replay).
+pub fn json_files(dir: &Path) -> Result<Vec<PathBuf>, FixtureError> {
     let io = |source| FixtureError::Io { path: dir.display().to_string(), source };
     let mut files = Vec::new();
-    for entry in std::fs::read_dir(&dir).map_err(io)? {
+    for entry in std::fs::read_dir(dir).map_err(io)? {
         let path = entry.map_err(io)?.path();
         if path.extension().is_some_and(|x| x == "json") {
             files.push(path);

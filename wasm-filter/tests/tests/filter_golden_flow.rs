@@ -32,7 +32,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::print_stderr)]
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute::{Admission, EndpointSpec, MetricsSnapshot, Policy, Release, ReleaseOutcome, Role, Router, Ticket};
@@ -40,14 +40,7 @@ use kvroute_wasm_tests::*;
 use serde_json::{json, Map, Value};
 
 fn files() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/golden-flow");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
-    files
+    kvroute_sim::golden::json_files(&kvroute_sim::golden::flow_dir()).unwrap()
 }
 
 /// `expect` matches `actual` as fixtures/golden-flow/README.md says (and core/tests/golden_flow.rs
