@@ -3,7 +3,7 @@
 //!
 //! | subject | keys | input |
 //! |---|---|---|
-//! | kvroute precise store (`PrefixIndex<ExactBucket>::store`) | chain keys | store events |
+//! | kvroute precise store (`PrefixIndex::store`) | chain keys | store events |
 //! | kvroute `KvIndex` through `Router::apply_batch` (engine keys) | chain keys | decoded `EventBatch`es |
 //! | kvroute approximate (`ApproxIndex::observe`) | chain keys | whole placed sequences |
 //! | dynamo-kv-router 1.6 `RadixTree::apply_event` | content + chain | store events |
@@ -20,7 +20,8 @@
 //! placed sequences, as a router does.
 //!
 //! Measured, per subject and W:
-//! - **apply**: blocks fed per second on one thread, timing the whole build with `Instant`
+//! - **apply**: blocks fed per second on one thread, timing the whole build in CPU time
+//!   ([`cpu_time`]: this process's threads' run time, so a loaded machine does not skew it)
 //!   (inputs prepared beforehand), median of `KVROUTE_PEERS_RUNS` (default 3) fresh builds;
 //! - **find-matches**: µs per lookup of a 128-block request sharing a prefix (64 different
 //!   probes, cycled), timed by criterion; the table shows the median of criterion's samples;
@@ -44,7 +45,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::Criterion;
 use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
@@ -57,10 +58,10 @@ use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock
 use kvroute::TierWeights;
 use kvroute::{ApproxIndex, EndpointSpec, RequestKeys, Role, Router};
 use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
-use kvroute::{ExactBucket, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
+use kvroute::{MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use kvroute_benches::indexload::WorkloadShape;
 use kvroute_benches::peerload::{PeerWorkload, StoreEvent};
-use kvroute_benches::timing::{median, Samples};
+use kvroute_benches::timing::{cpu_time, median, Samples};
 
 // ---------------------------------------------------------------------------------------------
 // Counting allocator: live bytes allocated while `COUNTING` is on (requested sizes).
@@ -171,9 +172,9 @@ fn time_apply<P, I>(runs: usize, mut prepare: impl FnMut() -> P, mut apply: impl
     let mut secs = Vec::with_capacity(runs);
     for _ in 0..runs {
         let input = prepare();
-        let t = Instant::now();
+        let t = cpu_time();
         let ix = apply(input);
-        secs.push(t.elapsed().as_secs_f64());
+        secs.push((cpu_time() - t).as_secs_f64());
         drop(black_box(ix));
     }
     median(secs)
@@ -194,12 +195,12 @@ fn time_find(
     let mut next = 0usize;
     c.bench_function(&format!("{group}/{name}"), |b| {
         b.iter_custom(|iters| {
-            let t = Instant::now();
+            let t = cpu_time();
             for _ in 0..iters {
                 black_box(query(next % probes));
                 next += 1;
             }
-            let d = t.elapsed();
+            let d = cpu_time() - t;
             samples.record(iters, d);
             d
         });
@@ -270,7 +271,7 @@ fn kvroute_precise(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) ->
     let wl = &inp.wl;
     let cap = wl.shape.capacity_per_endpoint;
     let build = || {
-        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, cap);
+        let mut ix: PrefixIndex = PrefixIndex::new(0, cap);
         for e in 0..inp.w {
             ix.activate(e);
         }
@@ -291,7 +292,7 @@ fn kvroute_precise(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) ->
         out.blocks.len()
     });
     Row {
-        name: "kvroute precise store (PrefixIndex<ExactBucket>)",
+        name: "kvroute precise store (PrefixIndex)",
         peer: false,
         exact: true,
         blocks: wl.memberships(),
@@ -706,7 +707,7 @@ fn main() {
             })
             .collect();
         let reference = {
-            let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, shape.capacity_per_endpoint);
+            let mut ix: PrefixIndex = PrefixIndex::new(0, shape.capacity_per_endpoint);
             for e in 0..w {
                 ix.activate(e);
             }

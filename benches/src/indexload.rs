@@ -6,7 +6,7 @@
 //! two. Keys are chained like real block keys (each depends on its parent).
 
 use kvroute::BlockKey;
-use kvroute::{BucketKind, PrefixIndex};
+use kvroute::PrefixIndex;
 
 /// Sizes of a workload.
 #[derive(Debug, Clone, Copy)]
@@ -98,7 +98,7 @@ impl IndexWorkload {
     }
 
     /// Activate every endpoint slot and insert every placement (as GPU-resident blocks).
-    pub fn fill<B: BucketKind>(&self, ix: &mut PrefixIndex<B>) {
+    pub fn fill(&self, ix: &mut PrefixIndex) {
         for e in 0..self.shape.endpoints {
             ix.activate(e);
         }

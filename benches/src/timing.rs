@@ -1,9 +1,29 @@
 //! Small timing helpers shared by the benches that print a summary table after criterion's own
 //! report (`peers`, `precise`): record criterion's measurement samples (from `iter_custom`) and
-//! take medians.
+//! take medians, and a CPU-time clock for figures that must hold on a loaded machine.
 
 use std::cell::RefCell;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// CPU time this process has run, summed over its threads (Linux: the first field of every
+/// `/proc/self/task/*/schedstat`, in nanoseconds). Unlike wall time it does not count the time
+/// other processes hold the cores, so a bench timed with it measures the same work on a busy
+/// machine as on an idle one (up to cache effects). Elsewhere: a monotonic clock.
+pub fn cpu_time() -> Duration {
+    fn schedstat() -> Option<u64> {
+        let mut total = 0u64;
+        for task in std::fs::read_dir("/proc/self/task").ok()? {
+            let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+            total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+        }
+        Some(total)
+    }
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    match schedstat() {
+        Some(ns) => Duration::from_nanos(ns),
+        None => START.get_or_init(Instant::now).elapsed(),
+    }
+}
 
 /// Median of `v` (NaN when empty).
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -61,5 +81,20 @@ mod tests {
         s.record(20, Duration::from_micros(60));
         s.record(5, Duration::from_micros(10));
         assert_eq!(s.median_us(3), Some(2.0));
+    }
+
+    #[test]
+    fn cpu_time_counts_work_not_sleep() {
+        let t0 = cpu_time();
+        std::thread::sleep(Duration::from_millis(50));
+        let slept = cpu_time() - t0;
+        let t1 = cpu_time();
+        let mut x = 0u64;
+        while cpu_time() - t1 < Duration::from_millis(20) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        assert!(cpu_time() - t1 >= Duration::from_millis(20));
+        // Sleeping runs no code (allow for the clock's own reads).
+        assert!(slept < Duration::from_millis(50), "{slept:?}");
     }
 }

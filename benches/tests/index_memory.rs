@@ -2,20 +2,15 @@
 //! workload the index bench uses. Prints the figure; bounds it so a regression fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+use kvroute::PrefixIndex;
 use kvroute::{ApproxIndex, IndexStats};
-use kvroute::{BucketKind, ExactBucket, PrefixIndex};
 use kvroute_benches::indexload::{IndexWorkload, WorkloadShape};
 
 fn measure(label: &str, shape: &WorkloadShape, seed: u64) -> (IndexStats, f64) {
-    measure_with::<ExactBucket>(label, shape, seed, ApproxIndex::new(0, shape.capacity_per_endpoint))
+    measure_with(label, shape, seed, ApproxIndex::new(0, shape.capacity_per_endpoint))
 }
 
-fn measure_with<B: BucketKind>(
-    label: &str,
-    shape: &WorkloadShape,
-    seed: u64,
-    mut ix: PrefixIndex<B>,
-) -> (IndexStats, f64) {
+fn measure_with(label: &str, shape: &WorkloadShape, seed: u64, mut ix: PrefixIndex) -> (IndexStats, f64) {
     let wl = IndexWorkload::generate(shape, seed);
     wl.fill(&mut ix);
     let st = ix.stats();
@@ -56,12 +51,8 @@ fn bytes_per_membership_of_the_exact_key_store() {
     // at W=512 and 15.6 B at W=64 on this workload.
     for w in [512, 64] {
         let shape = WorkloadShape::for_endpoints(w);
-        let (st, per) = measure_with::<ExactBucket>(
-            &format!("exact W={w}"),
-            &shape,
-            7,
-            PrefixIndex::new(0, shape.capacity_per_endpoint),
-        );
+        let (st, per) =
+            measure_with(&format!("exact W={w}"), &shape, 7, PrefixIndex::new(0, shape.capacity_per_endpoint));
         assert!(st.memberships > 800_000, "{st:?}");
         assert!(per <= 16.0, "{per:.2} bytes per membership");
     }

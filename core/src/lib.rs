@@ -179,8 +179,7 @@ pub use error::{ConfigError, EventIngestError, RequestError, RouteError, StateEr
 // The approximate pipeline and the prefix store both indexes use.
 pub use approx::{ApproxHashing, BlockKey, RequestKeys};
 pub use index::{
-    ApproxIndex, BucketKind, ExactBucket, FpBucket, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex,
-    PrefixMatch, GENERATIONS, MAX_SLOTS,
+    ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, GENERATIONS, MAX_SLOTS,
 };
 
 // The precise pipeline: events, engine hashing, keys, the index, stream judgment.

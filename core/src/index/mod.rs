@@ -4,13 +4,12 @@
 //! sequence it holds and in which tier. Two instantiations:
 //! - [`ApproxIndex`]: blocks *assumed* resident because the router sent a request there
 //!   (tokenizer-free, no engine events needed; exact 64-bit keys);
-//! - `PrefixIndex<ExactBucket>`: the event-fed precise index's store (exact keys, tiers from the
-//!   engine's events, speculative entries).
+//! - the event-fed precise index's store (the same type, with tiers from the engine's events and
+//!   speculative entries).
 
 mod prefix;
-mod table;
+mod store;
 
 pub use prefix::{
     ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, GENERATIONS, MAX_SLOTS,
 };
-pub use table::{BucketKind, ExactBucket, FpBucket};

@@ -3,7 +3,7 @@
 //!
 //! The module is private: its full description is the documentation of [`PrefixIndex`].
 
-use super::table::{BucketKind, ExactBucket, PostingTable};
+use super::store::{BlockStore, EMPTY};
 use crate::approx::{BlockKey, RequestKeys};
 use crate::config::TierWeights;
 use crate::precise::events::Medium;
@@ -22,9 +22,11 @@ const SLOT_SHIFT: u32 = 19;
 pub const MAX_SLOTS: usize = 1 << 12;
 const SWEEP_DIVISOR: usize = 16_384;
 /// How many keys ahead a walk prefetches table buckets.
-const PREFETCH: usize = 6;
+const PREFETCH: usize = 12;
 /// Tables smaller than this (in buckets) stay in cache: no prefetching.
 const PREFETCH_MIN_BUCKETS: usize = 1 << 18;
+/// A position that could not be stored (the arena is full).
+const NO_POS: u32 = u32::MAX;
 const SWEEP_PER_BIRTH: usize = 4;
 
 #[derive(Clone, Debug)]
@@ -56,16 +58,29 @@ impl SlotState {
     }
 }
 
-/// Reusable buffers for [`PrefixIndex::match_blocks`].
+/// Reusable buffers for [`PrefixIndex::match_blocks`]: per slot, and bit sets of slots (all
+/// zero between calls).
 #[derive(Debug, Default, Clone)]
 pub struct MatchScratch {
-    /// (slot, weight of its current run, block index where the run started, first block held
-    /// only speculatively or `u32::MAX`)
-    alive: Vec<(u16, f64, u32, u32)>,
-    seen: Vec<u32>,
+    /// Slots that held every block so far.
+    alive: Vec<u64>,
+    /// Slots of `alive` that hold the block in hand.
+    seen: Vec<u64>,
+    /// Per slot: its current run of equally-weighted blocks.
+    runs: Vec<SlotRun>,
     seen_weight: Vec<f64>,
     seen_spec: Vec<bool>,
-    epoch: u32,
+}
+
+/// A slot's state during a walk (one 16-byte line segment per slot).
+#[derive(Debug, Default, Clone, Copy)]
+struct SlotRun {
+    /// Weight of the slot's current run of equally-weighted blocks.
+    weight: f64,
+    /// Block index where that run started.
+    start: u32,
+    /// First block held only speculatively, or `u32::MAX`.
+    spec_from: u32,
 }
 
 /// The tier bit of a medium.
@@ -81,26 +96,30 @@ fn tier_bit(m: Medium) -> u32 {
 /// (speculative-only records count as GPU).
 #[derive(Debug, Clone, Copy)]
 pub struct MatchWeights {
-    gpu: f64,
-    cpu: f64,
-    storage: f64,
+    /// By a record's flag bits (speculative, GPU, CPU, storage).
+    by_flags: [f64; 16],
 }
 
 impl MatchWeights {
     /// From a policy's tier weights.
     pub fn new(w: &TierWeights) -> Self {
-        MatchWeights { gpu: w.gpu, cpu: w.cpu, storage: w.storage }
+        let mut by_flags = [0.0; 16];
+        for (bits, slot) in by_flags.iter_mut().enumerate() {
+            let rec = (bits as u32) << SPEC.trailing_zeros();
+            *slot = if rec & (GPU | SPEC) != 0 {
+                w.gpu
+            } else if rec & CPU != 0 {
+                w.cpu
+            } else {
+                w.storage
+            };
+        }
+        MatchWeights { by_flags }
     }
 
     #[inline]
     fn of(&self, rec: u32) -> f64 {
-        if rec & (GPU | SPEC) != 0 {
-            self.gpu
-        } else if rec & CPU != 0 {
-            self.cpu
-        } else {
-            self.storage
-        }
+        self.by_flags[((rec >> SPEC.trailing_zeros()) & 0xf) as usize]
     }
 }
 
@@ -157,8 +176,8 @@ pub struct IndexStats {
     pub memory_bytes: u64,
 }
 
-/// The approximate index: whole 64-bit keys (12-byte buckets).
-pub type ApproxIndex = PrefixIndex<ExactBucket>;
+/// The approximate index (observed placements; the precise index's store is the same type).
+pub type ApproxIndex = PrefixIndex;
 
 /// Extra stores of one (block, slot, offload tier) beyond the first: `(key, slot, tier bit)` →
 /// count. Only offload tiers are counted (see [`PrefixIndex::store`]); entries exist only while a
@@ -175,11 +194,11 @@ const DUP_ENTRY_BYTES: usize = 48;
 /// The prefix index shared by both index kinds: which endpoint holds which block, in which tier,
 /// with a per-endpoint capacity and LRU-style eviction.
 ///
-/// - [`ApproxIndex`] = `PrefixIndex<ExactBucket>`: blocks *assumed* resident because the router
+/// - [`ApproxIndex`] = `PrefixIndex`: blocks *assumed* resident because the router
 ///   sent a request there (exact 64-bit keys: two tenants' keys never share an entry unless the
 ///   64-bit keys themselves are equal; 32-bit fingerprints let a chosen pair of salts collide in a
 ///   birthday search of about 2^16 salts, see `core/tests/tenant_boundaries.rs`).
-/// - The event-fed precise index uses `PrefixIndex<ExactBucket>` too and adds tiers from the
+/// - The event-fed precise index uses `PrefixIndex` too and adds tiers from the
 ///   engine's events and speculative entries.
 ///
 /// # Structure
@@ -220,8 +239,8 @@ const DUP_ENTRY_BYTES: usize = 48;
 /// further holder costs 4 bytes in a size-classed arena chunk; an outstanding duplicate store on
 /// an offload tier costs one side-table entry (about 48 bytes). See `memory_bytes` and the `index_memory` test for
 /// measured bytes per membership.
-pub struct PrefixIndex<B: BucketKind> {
-    table: PostingTable<B>,
+pub struct PrefixIndex {
+    store: BlockStore,
     dups: DupCounts,
     slots: Vec<SlotState>,
     fingerprint: u64,
@@ -235,6 +254,69 @@ pub struct PrefixIndex<B: BucketKind> {
     live_total: u64,
     spec_total: u64,
     active_slots: u64,
+    /// Positions of the keys of the call in progress (`touch_all`).
+    positions: Vec<u32>,
+    /// Per slot, what a lookup needs of its state in one word: the generation, with
+    /// `ACTIVE` set while the slot is active (mirrors `slots`).
+    gens: Vec<u32>,
+}
+
+const ACTIVE: u32 = 1 << 31;
+
+/// [`is_live`] from the compact mirror.
+#[inline]
+fn live_in(gens: &[u32], rec: u32) -> bool {
+    match gens.get(rec_slot(rec)) {
+        Some(&g) if g & ACTIVE != 0 => {
+            rec & TIERS == 0 || (g.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS
+        }
+        _ => false,
+    }
+}
+
+/// Every set bit of `word` (word `index` of a slot bit set), as a slot number.
+#[inline]
+fn bits(index: usize, mut word: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        (word != 0).then(|| {
+            let b = word.trailing_zeros() as usize;
+            word &= word - 1;
+            index * 64 + b
+        })
+    })
+}
+
+/// The last posting change made in one call, reused while consecutive blocks share the posting
+/// (a chain stored together): `(old head, new head or 0 when emptied, side effects)`. It holds a
+/// reference on the new head so its chunk is neither freed nor changed in place meanwhile.
+struct Memo<E: Copy> {
+    entry: Option<(u32, u32, E)>,
+}
+
+impl<E: Copy> Memo<E> {
+    fn new() -> Self {
+        Memo { entry: None }
+    }
+
+    #[inline]
+    fn get(&self, old: u32) -> Option<(u32, E)> {
+        match self.entry {
+            Some((o, n, e)) if o == old => Some((n, e)),
+            _ => None,
+        }
+    }
+
+    fn set(&mut self, store: &mut BlockStore, old: u32, new: u32, effect: E) {
+        store.retain(new);
+        self.clear(store);
+        self.entry = Some((old, new, effect));
+    }
+
+    fn clear(&mut self, store: &mut BlockStore) {
+        if let Some((_, n, _)) = self.entry.take() {
+            store.release(n);
+        }
+    }
 }
 
 /// Slice equality without a `memcmp` call for the short postings that dominate.
@@ -265,8 +347,10 @@ fn is_live(slots: &[SlotState], rec: u32) -> bool {
 }
 
 /// Whether `slot` holds `key` live in the tier `bit`.
-fn held_in<B: BucketKind>(table: &PostingTable<B>, slots: &[SlotState], key: BlockKey, slot: usize, bit: u32) -> bool {
-    table.records(key).as_slice().iter().any(|&r| rec_slot(r) == slot && r & bit != 0 && is_live(slots, r))
+fn held_in(store: &BlockStore, slots: &[SlotState], key: BlockKey, slot: usize, bit: u32) -> bool {
+    store
+        .find(key)
+        .is_some_and(|p| store.records_at(p).iter().any(|&r| rec_slot(r) == slot && r & bit != 0 && is_live(slots, r)))
 }
 
 /// A live record counted in its endpoint's generations (held in some tier).
@@ -283,11 +367,11 @@ fn tick_after(a: u32, b: u32) -> bool {
     d != 0 && d < (1 << (STAMP_BITS - 1))
 }
 
-impl<B: BucketKind> PrefixIndex<B> {
+impl PrefixIndex {
     /// An empty index whose keys were made under `fingerprint`, with `cap` memberships per endpoint.
     pub fn new(fingerprint: u64, cap: u32) -> Self {
         PrefixIndex {
-            table: PostingTable::new(),
+            store: BlockStore::new(),
             dups: DupCounts::new(),
             slots: Vec::new(),
             fingerprint,
@@ -299,6 +383,8 @@ impl<B: BucketKind> PrefixIndex<B> {
             live_total: 0,
             spec_total: 0,
             active_slots: 0,
+            positions: Vec::new(),
+            gens: Vec::new(),
         }
     }
 
@@ -310,7 +396,7 @@ impl<B: BucketKind> PrefixIndex<B> {
     /// Drop every entry and adopt a new hashing fingerprint (keys made under another fingerprint
     /// can never match again). Endpoint slots stay active.
     pub fn reset(&mut self, fingerprint: u64) {
-        self.table.clear();
+        self.store.clear();
         self.dups.clear();
         self.fingerprint = fingerprint;
         self.cursor = 0;
@@ -374,6 +460,16 @@ impl<B: BucketKind> PrefixIndex<B> {
         *s = SlotState::new(self.cap);
         s.gen = gen;
         s.active = true;
+        self.sync_gen(slot);
+    }
+
+    /// Mirror `slot`'s state into `gens`.
+    fn sync_gen(&mut self, slot: usize) {
+        if self.gens.len() < self.slots.len() {
+            self.gens.resize(self.slots.len(), 0);
+        }
+        let s = &self.slots[slot];
+        self.gens[slot] = (s.gen & STAMP_MASK) | if s.active { ACTIVE } else { 0 };
     }
 
     /// Stop tracking `slot` (endpoint removed): all its memberships die at once; the sweeper
@@ -392,19 +488,24 @@ impl<B: BucketKind> PrefixIndex<B> {
             s.spec = 0;
             s.counts = [0; GENERATIONS as usize];
             s.retired_at = Some(passes);
+            self.sync_gen(slot);
             if !self.dups.is_empty() {
                 let slot = slot as u16;
                 self.dups.retain(|k, _| k.1 != slot);
             }
             // Reclaim at the same pace as a full turnover of the slot's generations.
-            self.sweep_debt += (self.table.capacity() / SWEEP_DIVISOR + 1) * GENERATIONS as usize;
+            self.sweep_debt += (self.store.positions() / SWEEP_DIVISOR + 1) * GENERATIONS as usize;
         }
     }
 
     /// Synchronously drop every dead record.
     pub fn collect_all(&mut self) {
-        let slots = &self.slots;
-        self.table.compact(|r| is_live(slots, r));
+        let mut memo = Memo::new();
+        for pos in 0..self.store.positions() {
+            self.sweep_at(pos, &mut memo);
+        }
+        memo.clear(&mut self.store);
+        self.store.compact(0);
         self.cursor = 0;
         self.sweep_debt = 0;
         self.dead_pending = 0;
@@ -418,8 +519,8 @@ impl<B: BucketKind> PrefixIndex<B> {
         if self.dups.is_empty() {
             return;
         }
-        let (table, slots) = (&self.table, &self.slots);
-        self.dups.retain(|&(key, slot, bit), _| held_in(table, slots, key, usize::from(slot), bit));
+        let (store, slots) = (&self.store, &self.slots);
+        self.dups.retain(|&(key, slot, bit), _| held_in(store, slots, key, usize::from(slot), bit));
     }
 
     fn advance(&mut self, slot: usize) {
@@ -430,30 +531,68 @@ impl<B: BucketKind> PrefixIndex<B> {
         self.live_total -= u64::from(s.counts[idx]);
         self.dead_pending += u64::from(s.counts[idx]);
         s.counts[idx] = 0;
-        self.sweep_debt += self.table.capacity() / SWEEP_DIVISOR + 1;
+        self.sweep_debt += self.store.positions() / SWEEP_DIVISOR + 1;
+        self.sync_gen(slot);
     }
 
     fn run_sweeper(&mut self) {
         let mut budget = std::mem::take(&mut self.sweep_debt);
+        let mut memo = Memo::new();
         while budget > 0 {
-            if self.cursor >= self.table.capacity() {
+            if self.cursor >= self.store.positions() {
+                memo.clear(&mut self.store);
                 self.cursor = 0;
                 self.passes += 1;
-                self.table.maybe_shrink();
+                // Positions freed by deleted blocks are reclaimed once they are a quarter of the
+                // arena (a pass boundary: nobody holds positions now).
+                self.maybe_compact();
+                self.store.maybe_shrink();
                 self.prune_dups();
+                if self.store.positions() == 0 {
+                    break;
+                }
             }
-            let slots = &self.slots;
-            let mut removed = 0u64;
-            let deleted = self.table.retain_at(self.cursor, |r| {
-                let keep = is_live(slots, r);
-                removed += u64::from(!keep);
-                keep
-            });
-            self.dead_pending = self.dead_pending.saturating_sub(removed);
-            if !deleted {
-                self.cursor += 1;
-            }
+            self.sweep_at(self.cursor, &mut memo);
+            self.cursor += 1;
             budget -= 1;
+        }
+        memo.clear(&mut self.store);
+        self.maybe_compact();
+    }
+
+    /// Reclaim the positions of deleted blocks once they are an eighth of the arena (amortized
+    /// O(1) per deletion); the sweeper's cursor follows its block. Only between calls: nobody
+    /// holds positions then.
+    fn maybe_compact(&mut self) {
+        let free = self.store.free_positions();
+        if free >= 64 && free * 8 > self.store.positions() {
+            self.cursor = self.store.compact(self.cursor);
+        }
+    }
+
+    /// Drop the dead records of the block at `pos` (the block goes when none is left).
+    fn sweep_at(&mut self, pos: usize, memo: &mut Memo<u32>) {
+        let old = self.store.head(pos);
+        if old == 0 {
+            return;
+        }
+        let (new, dropped) = match memo.get(old) {
+            Some(hit) => hit,
+            None => {
+                let slots = &self.slots;
+                let (new, dropped) = self.store.filter(old, |r| is_live(slots, r));
+                let new = new.unwrap_or(0);
+                memo.set(&mut self.store, old, new, dropped);
+                (new, dropped)
+            }
+        };
+        if dropped > 0 {
+            self.dead_pending = self.dead_pending.saturating_sub(u64::from(dropped));
+            if new == 0 {
+                self.store.delete(pos);
+            } else {
+                self.store.set_head(pos, new);
+            }
         }
     }
 
@@ -488,21 +627,44 @@ impl<B: BucketKind> PrefixIndex<B> {
         if !self.slots.get(slot).is_some_and(|s| s.active) {
             return;
         }
+        // Head first: find every block, appending new ones in chain order (so a chain stored
+        // together lies in consecutive positions, which lookups exploit).
+        let mut positions = std::mem::take(&mut self.positions);
+        positions.clear();
+        let prefetch = self.store.buckets() >= PREFETCH_MIN_BUCKETS;
+        let mut last = None;
+        for (i, &key) in keys.iter().enumerate() {
+            if prefetch {
+                if let Some(&ahead) = keys.get(i + PREFETCH) {
+                    self.store.prefetch(ahead);
+                }
+            }
+            let found = match last {
+                Some(p) => self.store.find_after(p, key),
+                None => self.store.find(key),
+            };
+            let pos = found.or_else(|| self.store.insert(key, EMPTY));
+            positions.push(pos.map_or(NO_POS, |p| p as u32));
+            last = pos;
+        }
+        // Then tail first, so a long request's head is never older than its tail.
         let mut stamp = self.slots[slot].gen & STAMP_MASK;
         let mut in_piece = 0u32;
-        let prefetch = self.table.capacity() >= PREFETCH_MIN_BUCKETS;
-        for (i, &key) in keys.iter().enumerate().rev() {
-            if prefetch && i >= PREFETCH {
-                self.table.prefetch(keys[i - PREFETCH]);
+        let mut memo = Memo::new();
+        for (i, &pos) in positions.iter().enumerate().rev() {
+            if pos != NO_POS {
+                self.touch(pos as usize, keys[i], slot, tier, stamp, &mut memo);
             }
-            self.touch(key, slot, tier, stamp);
             in_piece += 1;
             if in_piece >= self.slots[slot].per_gen {
+                memo.clear(&mut self.store);
                 self.advance(slot);
                 stamp = self.slots[slot].gen & STAMP_MASK;
                 in_piece = 0;
             }
         }
+        memo.clear(&mut self.store);
+        self.positions = positions;
         let mut guard = 0;
         while guard < GENERATIONS {
             let s = &self.slots[slot];
@@ -515,22 +677,36 @@ impl<B: BucketKind> PrefixIndex<B> {
         self.run_sweeper();
     }
 
-    fn touch(&mut self, key: BlockKey, slot: usize, tier: u32, stamp: u32) {
-        let base = ((slot as u32) << SLOT_SHIFT) | stamp;
-        let slots = &self.slots;
-        let mut prev_counted = None;
-        let mut was_spec = false;
-        self.table.upsert_with(key, slot as u32, owner, |old| match old {
-            Some(o) if counted(slots, o) => {
-                prev_counted = Some(o);
-                base | (o & TIERS) | tier
+    /// Stamp `slot`'s membership of the block at `pos` (`key`) with `stamp` in `tier`.
+    fn touch(&mut self, pos: usize, key: BlockKey, slot: usize, tier: u32, stamp: u32, memo: &mut Memo<(u32, bool)>) {
+        let old = self.store.head(pos);
+        let (new, (prev, was_spec)) = match memo.get(old) {
+            Some(hit) => hit,
+            None => {
+                let base = ((slot as u32) << SLOT_SHIFT) | stamp;
+                let slots = &self.slots;
+                let mut prev_counted = 0u32;
+                let mut was_spec = false;
+                let (new, _) = self.store.derive(old, slot as u32, owner, |old| {
+                    Some(match old {
+                        Some(o) if counted(slots, o) => {
+                            prev_counted = o;
+                            base | (o & TIERS) | tier
+                        }
+                        Some(o) => {
+                            was_spec = o & SPEC != 0 && is_live(slots, o);
+                            base | tier
+                        }
+                        None => base | tier,
+                    })
+                });
+                let new = new.unwrap_or(EMPTY);
+                memo.set(&mut self.store, old, new, (prev_counted, was_spec));
+                (new, (prev_counted, was_spec))
             }
-            Some(o) => {
-                was_spec = o & SPEC != 0 && is_live(slots, o);
-                base | tier
-            }
-            None => base | tier,
-        });
+        };
+        self.store.set_head(pos, new);
+        let prev_counted = (prev != 0).then_some(prev);
         if tier != GPU {
             if let Ok(slot16) = u16::try_from(slot) {
                 if prev_counted.is_some_and(|o| o & tier != 0) {
@@ -581,28 +757,69 @@ impl<B: BucketKind> PrefixIndex<B> {
         }
         let tick = tick & STAMP_MASK;
         let spec = ((slot as u32) << SLOT_SHIFT) | SPEC | tick;
+        let mut memo = Memo::new();
+        let mut last = None;
         for &key in keys {
-            let slots = &self.slots;
-            let mut born = false;
-            self.table.upsert_with(key, slot as u32, owner, |old| match old {
-                Some(o) if counted(slots, o) => o,
-                Some(o) if o & SPEC != 0 && is_live(slots, o) => {
-                    if tick_after(tick, o & STAMP_MASK) {
-                        spec
-                    } else {
-                        o
-                    }
+            let found = match last {
+                Some(p) => self.store.find_after(p, key),
+                None => self.store.find(key),
+            };
+            let born = match found {
+                Some(pos) => {
+                    last = Some(pos);
+                    self.update(pos, slot, &mut memo, |slots, old| match old {
+                        Some(o) if counted(slots, o) => (Some(o), false),
+                        Some(o) if o & SPEC != 0 && is_live(slots, o) => {
+                            (Some(if tick_after(tick, o & STAMP_MASK) { spec } else { o }), false)
+                        }
+                        _ => (Some(spec), true),
+                    })
                 }
-                _ => {
-                    born = true;
-                    spec
+                None => {
+                    last = self.store.insert(key, spec);
+                    last.is_some()
                 }
-            });
+            };
             if born {
                 self.slots[slot].spec += 1;
                 self.spec_total += 1;
             }
         }
+        memo.clear(&mut self.store);
+    }
+
+    /// Apply `f` to `slot`'s record in the block at `pos` (through `memo`, so blocks sharing a
+    /// posting share the result): `f` gets the record (if any) and returns the new one (`None`:
+    /// removed) and a side effect, which is returned. A block left without records is deleted.
+    fn update<E: Copy + Default>(
+        &mut self,
+        pos: usize,
+        slot: usize,
+        memo: &mut Memo<E>,
+        f: impl FnOnce(&[SlotState], Option<u32>) -> (Option<u32>, E),
+    ) -> E {
+        let old = self.store.head(pos);
+        let (new, effect) = match memo.get(old) {
+            Some(hit) => hit,
+            None => {
+                let slots = &self.slots;
+                let mut effect = E::default();
+                let (new, _) = self.store.derive(old, slot as u32, owner, |o| {
+                    let (r, e) = f(slots, o);
+                    effect = e;
+                    r
+                });
+                let new = new.unwrap_or(0);
+                memo.set(&mut self.store, old, new, effect);
+                (new, effect)
+            }
+        };
+        if new == 0 {
+            self.store.delete(pos);
+        } else {
+            self.store.set_head(pos, new);
+        }
+        effect
     }
 
     /// Withdraw the speculation that expires at `tick` on `keys` for `slot`: speculative-only
@@ -610,16 +827,20 @@ impl<B: BucketKind> PrefixIndex<B> {
     /// them); memberships held in a tier are untouched.
     pub fn unspeculate(&mut self, keys: &[BlockKey], slot: usize, tick: u32) {
         let tick = tick & STAMP_MASK;
+        let mut memo = Memo::new();
+        let mut last = None;
         for &key in keys {
-            let mut deleted = false;
-            self.table.modify(key, slot as u32, owner, |r| {
-                if r & TIERS == 0 && r & SPEC != 0 && !tick_after(r & STAMP_MASK, tick) {
-                    deleted = true;
-                    None
-                } else {
-                    Some(r)
-                }
+            let found = match last {
+                Some(p) => self.store.find_after(p, key),
+                None => self.store.find(key),
+            };
+            let Some(pos) = found else { continue };
+            let deleted = self.update(pos, slot, &mut memo, |_, old| match old {
+                Some(r) if r & TIERS == 0 && r & SPEC != 0 && !tick_after(r & STAMP_MASK, tick) => (None, true),
+                other => (other, false),
             });
+            // A deleted block's position is free: its successor is found through the table.
+            last = (!deleted || self.store.head(pos) != 0).then_some(pos);
             if deleted {
                 if let Some(s) = self.slots.get_mut(slot).filter(|s| s.spec > 0) {
                     s.spec -= 1;
@@ -627,6 +848,8 @@ impl<B: BucketKind> PrefixIndex<B> {
                 }
             }
         }
+        memo.clear(&mut self.store);
+        self.maybe_compact();
     }
 
     /// Speculative (block, endpoint) memberships pending.
@@ -651,11 +874,12 @@ impl<B: BucketKind> PrefixIndex<B> {
             return;
         }
         let bit = tier_bit(medium);
+        let mut memo = Memo::new();
         for &key in keys {
             if bit != GPU && !self.dups.is_empty() {
                 if let Ok(slot16) = u16::try_from(slot) {
                     if let Some(c) = self.dups.get_mut(&(key, slot16, bit)) {
-                        let held = held_in(&self.table, &self.slots, key, slot, bit);
+                        let held = held_in(&self.store, &self.slots, key, slot, bit);
                         if held && *c > 1 {
                             *c -= 1;
                         } else {
@@ -667,30 +891,30 @@ impl<B: BucketKind> PrefixIndex<B> {
                     }
                 }
             }
-            let slots = &self.slots;
-            let mut deleted_counted = None;
-            self.table.modify(key, slot as u32, owner, |r| {
-                if r & TIERS == 0 {
-                    return Some(r); // speculative only: not the engine's to remove
-                }
-                let live = is_live(slots, r);
-                let rest = r & TIERS & !bit;
-                if !live || rest == 0 {
-                    if live {
-                        deleted_counted = Some(r);
+            let Some(pos) = self.store.find(key) else { continue };
+            let deleted_counted = self.update(pos, slot, &mut memo, |slots, old| match old {
+                None => (None, 0),
+                Some(r) if r & TIERS == 0 => (Some(r), 0), // speculative only: not the engine's to remove
+                Some(r) => {
+                    let live = is_live(slots, r);
+                    let rest = r & TIERS & !bit;
+                    if !live || rest == 0 {
+                        (None, if live { r } else { 0 })
+                    } else {
+                        (Some((r & !TIERS) | rest), 0)
                     }
-                    None
-                } else {
-                    Some((r & !TIERS) | rest)
                 }
             });
-            if let Some(r) = deleted_counted {
+            if deleted_counted != 0 {
+                let r = deleted_counted;
                 let s = &mut self.slots[slot];
                 s.counts[((r & STAMP_MASK) % GENERATIONS) as usize] -= 1;
                 s.live -= 1;
                 self.live_total -= 1;
             }
         }
+        memo.clear(&mut self.store);
+        self.maybe_compact();
     }
 
     /// Every membership of `slot` dies at once (the engine cleared its cache); the slot stays
@@ -711,8 +935,12 @@ impl<B: BucketKind> PrefixIndex<B> {
 
     /// The tiers and speculative flag of `slot`'s membership of `key`, if live.
     pub fn holding(&self, key: BlockKey, slot: usize) -> Option<Holding> {
-        self.table.records(key).as_slice().iter().find(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).map(|&r| {
-            Holding { gpu: r & GPU != 0, cpu: r & CPU != 0, storage: r & STORAGE != 0, speculative: r & SPEC != 0 }
+        let recs = self.store.find(key).map_or(&[][..], |p| self.store.records_at(p));
+        recs.iter().find(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).map(|&r| Holding {
+            gpu: r & GPU != 0,
+            cpu: r & CPU != 0,
+            storage: r & STORAGE != 0,
+            speculative: r & SPEC != 0,
         })
     }
 
@@ -725,11 +953,17 @@ impl<B: BucketKind> PrefixIndex<B> {
         out: &mut PrefixMatch,
         scratch: &mut MatchScratch,
     ) {
-        out.reset(self.slots.len());
-        if scratch.seen.len() < self.slots.len() {
-            scratch.seen.resize(self.slots.len(), 0);
-            scratch.seen_weight.resize(self.slots.len(), 0.0);
-            scratch.seen_spec.resize(self.slots.len(), false);
+        let n = self.slots.len();
+        out.reset(n);
+        if scratch.runs.len() < n {
+            scratch.runs.resize(n, SlotRun::default());
+            scratch.seen_weight.resize(n, 0.0);
+            scratch.seen_spec.resize(n, false);
+        }
+        let words = n.div_ceil(64);
+        if scratch.alive.len() < words {
+            scratch.alive.resize(words, 0);
+            scratch.seen.resize(words, 0);
         }
         for seq in keys.sequences() {
             self.match_sequence(seq, weights, out, scratch);
@@ -738,87 +972,150 @@ impl<B: BucketKind> PrefixIndex<B> {
 
     /// Walks the sequence once. `alive` holds the slots that matched every block so far, each with
     /// the weight of its current run of equally-weighted blocks; a slot that drops out at block `k`
-    /// is credited `k` blocks. Along a chain, consecutive blocks usually have the very same holder
-    /// records (they were stored together), which is detected by comparing the record slices and
-    /// costs no per-holder work.
+    /// is credited `k` blocks. Along a chain stored together, block `i + 1` sits right after block
+    /// `i` in the store and shares its posting: one compare of the key and one of the head, no
+    /// table probe and no per-holder work. Only where the holders change is there per-holder
+    /// work, on bit sets of slots; until the first change the holders are the first block's
+    /// records themselves (`pristine`), which the first change (or the end) then credits in one
+    /// pass over them.
     fn match_sequence(&self, seq: &[BlockKey], w: &MatchWeights, out: &mut PrefixMatch, scratch: &mut MatchScratch) {
         let Some((&first, rest)) = seq.split_first() else { return };
-        let slots = &self.slots;
-        scratch.alive.clear();
-        let mut prev = self.table.records(first);
-        for &r in prev.as_slice() {
-            if is_live(slots, r) {
-                let spec_from = if r & TIERS == 0 { 0 } else { u32::MAX };
-                scratch.alive.push((rec_slot(r) as u16, w.of(r), 0, spec_from));
-            }
+        let Some(mut pos) = self.store.find(first) else { return };
+        let gens = &self.gens;
+        let words = self.slots.len().div_ceil(64);
+        let MatchScratch { alive, seen, runs, seen_weight, seen_spec } = scratch;
+        let (alive, seen) = (&mut alive[..words], &mut seen[..words]);
+        let first_head = self.store.head(pos);
+        let spec_from_of = |r: u32| if r & TIERS == 0 { 0 } else { u32::MAX };
+        if !self.store.records_of(&first_head).iter().any(|&r| live_in(gens, r)) {
+            return;
         }
+        let mut pristine = true;
+        let mut prev = first_head;
         let mut k = 1u32;
-        let prefetch = self.table.capacity() >= PREFETCH_MIN_BUCKETS;
-        for (j, &key) in rest.iter().enumerate() {
-            if scratch.alive.is_empty() {
-                break;
-            }
-            if prefetch {
-                if let Some(&ahead) = rest.get(j + PREFETCH) {
-                    self.table.prefetch(ahead);
-                }
-            }
-            let cur = self.table.records(key);
-            let recs = cur.as_slice();
-            if recs.is_empty() {
-                break;
-            }
-            if same_records(recs, prev.as_slice()) {
+        let (arena_keys, arena_heads) = self.store.arena();
+        let mut j = 0;
+        while pristine || alive.iter().any(|&a| a != 0) {
+            // The blocks stored after this one, as long as they are the request's next blocks
+            // with the same holders: one compare of the key and one of the head each.
+            let run = arena_keys[pos + 1..]
+                .iter()
+                .zip(&arena_heads[pos + 1..])
+                .zip(&rest[j..])
+                .take_while(|((&stored, &head), &key)| stored == key && head == prev)
+                .count();
+            pos += run;
+            j += run;
+            k += run as u32;
+            let Some(&key) = rest.get(j) else { break };
+            j += 1;
+            let Some(next) = self.store.find_after(pos, key) else { break };
+            pos = next;
+            let head = self.store.head(pos);
+            if head == prev {
                 k += 1;
                 continue;
             }
-            scratch.epoch = scratch.epoch.wrapping_add(1);
-            if scratch.epoch == 0 {
-                scratch.seen.iter_mut().for_each(|e| *e = 0);
-                scratch.epoch = 1;
+            let recs = self.store.records_at(pos);
+            if recs.is_empty() {
+                break;
             }
-            let epoch = scratch.epoch;
+            if same_records(recs, self.store.records_of(&prev)) {
+                prev = head;
+                k += 1;
+                continue;
+            }
             for &r in recs {
-                if is_live(slots, r) {
-                    let i = rec_slot(r);
-                    scratch.seen[i] = epoch;
-                    scratch.seen_weight[i] = w.of(r);
-                    scratch.seen_spec[i] = r & TIERS == 0;
+                let i = rec_slot(r);
+                if (pristine || alive[i / 64] & (1 << (i % 64)) != 0) && live_in(gens, r) {
+                    seen[i / 64] |= 1 << (i % 64);
+                    seen_weight[i] = w.of(r);
+                    seen_spec[i] = r & TIERS == 0;
                 }
             }
-            let (seen, seen_weight, seen_spec) = (&scratch.seen, &scratch.seen_weight, &scratch.seen_spec);
-            scratch.alive.retain_mut(|(s, weight, start, spec_from)| {
-                let i = *s as usize;
-                if seen[i] != epoch {
-                    out.blocks[i] += k;
-                    out.weighted[i] += *weight * f64::from(k - *start);
-                    out.confirmed[i] += (*spec_from).min(k);
-                    return false;
+            if pristine {
+                // The first block's holders: those not seen here end at `k`, the others go on
+                // with their state made explicit.
+                pristine = false;
+                for &r in self.store.records_of(&first_head) {
+                    if !live_in(gens, r) {
+                        continue;
+                    }
+                    let i = rec_slot(r);
+                    let weight = w.of(r);
+                    let spec_from = spec_from_of(r);
+                    if seen[i / 64] & (1 << (i % 64)) == 0 {
+                        out.blocks[i] += k;
+                        out.weighted[i] += weight * f64::from(k);
+                        out.confirmed[i] += spec_from.min(k);
+                        continue;
+                    }
+                    alive[i / 64] |= 1 << (i % 64);
+                    let run = &mut runs[i];
+                    *run = SlotRun { weight, start: 0, spec_from };
+                    if seen_weight[i] != weight {
+                        out.weighted[i] += weight * f64::from(k);
+                        run.weight = seen_weight[i];
+                        run.start = k;
+                    }
+                    if seen_spec[i] && run.spec_from == u32::MAX {
+                        run.spec_from = k;
+                    }
                 }
-                if seen_weight[i] != *weight {
-                    out.weighted[i] += *weight * f64::from(k - *start);
-                    *weight = seen_weight[i];
-                    *start = k;
+                seen.iter_mut().for_each(|s| *s = 0);
+            } else {
+                for (index, (a, s)) in alive.iter_mut().zip(seen.iter_mut()).enumerate() {
+                    for i in bits(index, *a & !*s) {
+                        let run = runs[i];
+                        out.blocks[i] += k;
+                        out.weighted[i] += run.weight * f64::from(k - run.start);
+                        out.confirmed[i] += run.spec_from.min(k);
+                    }
+                    for i in bits(index, *a & *s) {
+                        let run = &mut runs[i];
+                        if seen_weight[i] != run.weight {
+                            out.weighted[i] += run.weight * f64::from(k - run.start);
+                            run.weight = seen_weight[i];
+                            run.start = k;
+                        }
+                        if seen_spec[i] && run.spec_from == u32::MAX {
+                            run.spec_from = k;
+                        }
+                    }
+                    *a &= *s;
+                    *s = 0;
                 }
-                if seen_spec[i] && *spec_from == u32::MAX {
-                    *spec_from = k;
-                }
-                true
-            });
+            }
             k += 1;
-            prev = cur;
+            prev = head;
         }
-        for &(s, weight, start, spec_from) in &scratch.alive {
-            let i = s as usize;
-            out.blocks[i] += k;
-            out.weighted[i] += weight * f64::from(k - start);
-            out.confirmed[i] += spec_from.min(k);
+        if pristine {
+            for &r in self.store.records_of(&first_head) {
+                if live_in(gens, r) {
+                    let i = rec_slot(r);
+                    out.blocks[i] += k;
+                    out.weighted[i] += w.of(r) * f64::from(k);
+                    out.confirmed[i] += spec_from_of(r).min(k);
+                }
+            }
+            return;
+        }
+        for (index, a) in alive.iter_mut().enumerate() {
+            for i in bits(index, *a) {
+                let run = runs[i];
+                out.blocks[i] += k;
+                out.weighted[i] += run.weight * f64::from(k - run.start);
+                out.confirmed[i] += run.spec_from.min(k);
+            }
+            *a = 0;
         }
     }
 
     /// Whether `slot` holds `key` (live, any tier or speculative).
     pub fn contains(&self, key: BlockKey, slot: usize) -> bool {
-        self.table.records(key).as_slice().iter().any(|&r| rec_slot(r) == slot && is_live(&self.slots, r))
+        self.store
+            .find(key)
+            .is_some_and(|p| self.store.records_at(p).iter().any(|&r| rec_slot(r) == slot && is_live(&self.slots, r)))
     }
 
     /// Live memberships of `slot`.
@@ -829,10 +1126,11 @@ impl<B: BucketKind> PrefixIndex<B> {
     /// Size and memory figures.
     pub fn stats(&self) -> IndexStats {
         let memberships = self.slots.iter().filter(|s| s.active).map(|s| u64::from(s.live)).sum();
-        let memory = self.table.memory_bytes()
+        let memory = self.store.memory_bytes()
+            + self.positions.capacity() * 4
             + self.slots.capacity() * std::mem::size_of::<SlotState>()
             + self.dups.len() * DUP_ENTRY_BYTES;
-        IndexStats { memberships, keys: self.table.len() as u64, memory_bytes: memory as u64 }
+        IndexStats { memberships, keys: self.store.len() as u64, memory_bytes: memory as u64 }
     }
 
     /// Completed sweep passes (diagnostics and tests).
@@ -842,24 +1140,27 @@ impl<B: BucketKind> PrefixIndex<B> {
 
     #[cfg(test)]
     pub(crate) fn stored_records(&self) -> u64 {
-        self.table.iter().map(|(_, r)| r.as_slice().len() as u64).sum()
+        self.store.iter().map(|(_, r)| r.len() as u64).sum()
     }
 
     #[cfg(test)]
     pub(crate) fn live_records_in_table(&self, slot: usize) -> u64 {
-        self.table
+        self.store
             .iter()
-            .map(|(_, recs)| {
-                recs.as_slice().iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64
-            })
+            .map(|(_, recs)| recs.iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64)
             .sum()
+    }
+
+    /// The store's reference counts and table agree with its positions (tests).
+    #[cfg(test)]
+    pub(crate) fn check_store(&self) {
+        self.store.check_refs();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::table::ExactBucket;
     use proptest::prelude::*;
 
     fn rk(seqs: &[&[u64]]) -> RequestKeys {
@@ -875,13 +1176,13 @@ mod tests {
         MatchWeights::new(&TierWeights::default())
     }
 
-    fn matches<B: BucketKind>(ix: &PrefixIndex<B>, seqs: &[&[u64]]) -> Vec<u32> {
+    fn matches(ix: &PrefixIndex, seqs: &[&[u64]]) -> Vec<u32> {
         let mut out = PrefixMatch::default();
         ix.match_blocks(&rk(seqs), &w(), &mut out, &mut MatchScratch::default());
         out.blocks
     }
 
-    fn weighted<B: BucketKind>(ix: &PrefixIndex<B>, seqs: &[&[u64]]) -> Vec<f64> {
+    fn weighted(ix: &PrefixIndex, seqs: &[&[u64]]) -> Vec<f64> {
         let mut out = PrefixMatch::default();
         ix.match_blocks(&rk(seqs), &w(), &mut out, &mut MatchScratch::default());
         out.weighted
@@ -1013,7 +1314,7 @@ mod tests {
 
     #[test]
     fn tiers_are_weighted_and_removed_per_medium() {
-        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        let mut ix: PrefixIndex = PrefixIndex::new(0, 1 << 12);
         ix.activate(0);
         ix.activate(1);
         ix.store(&[1, 2, 3, 4], 0, Medium::Gpu);
@@ -1040,7 +1341,7 @@ mod tests {
 
     #[test]
     fn speculation_is_superseded_by_confirmation_and_withdrawn_otherwise() {
-        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        let mut ix: PrefixIndex = PrefixIndex::new(0, 1 << 12);
         ix.activate(0);
         ix.speculate(&[1, 2, 3], 0, 10);
         assert_eq!(matches(&ix, &[&[1, 2, 3]]), vec![3]);
@@ -1071,7 +1372,7 @@ mod tests {
 
     #[test]
     fn offload_stores_are_reference_counted_gpu_stores_are_not() {
-        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        let mut ix: PrefixIndex = PrefixIndex::new(0, 1 << 12);
         ix.activate(0);
         ix.activate(1);
         // Store X twice on CPU, remove once: still held; remove again: gone.
@@ -1104,7 +1405,7 @@ mod tests {
         assert!(!ix.contains(8, 0));
         // A count whose membership was evicted is stale: it does not keep a later store alive.
         let cap = 64 * GENERATIONS;
-        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, cap);
+        let mut ix: PrefixIndex = PrefixIndex::new(0, cap);
         ix.activate(0);
         ix.store(&[1], 0, Medium::Cpu);
         ix.store(&[1], 0, Medium::Cpu);
@@ -1121,7 +1422,7 @@ mod tests {
 
     #[test]
     fn clear_slot_drops_everything_of_one_endpoint() {
-        let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, 1 << 12);
+        let mut ix: PrefixIndex = PrefixIndex::new(0, 1 << 12);
         ix.activate(0);
         ix.activate(1);
         ix.store(&[1, 2], 0, Medium::Gpu);
@@ -1141,7 +1442,7 @@ mod tests {
         #[test]
         fn invariants_hold(ops in proptest::collection::vec((0u8..14, 0usize..6, 1u64..40, 1usize..12), 1..300)) {
             let cap = 128;
-            let mut ix: PrefixIndex<ExactBucket> = PrefixIndex::new(0, cap);
+            let mut ix: PrefixIndex = PrefixIndex::new(0, cap);
             let mut active = [false; 6];
             for (op, slot, start, len) in ops {
                 match op {
@@ -1170,6 +1471,7 @@ mod tests {
                 }
                 let live: u64 = (0..6).map(|s| u64::from(ix.memberships_of(s))).sum();
                 prop_assert_eq!(ix.charged_memberships(), live, "running totals follow the slots");
+                ix.check_store();
                 prop_assert_eq!(ix.budget_memberships(), u64::from(cap) * active.iter().filter(|&&a| a).count() as u64);
             }
         }

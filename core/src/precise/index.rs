@@ -12,7 +12,7 @@ use super::keys::content_key;
 use super::DualKeyHashing;
 use crate::approx::{BlockKey, RequestKeys};
 use crate::config::{KeyScheme, PolicyConfig};
-use crate::index::{ExactBucket, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
+use crate::index::{IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use crate::precise::events::{BlockStored, EventBatch, KvEvent, Medium};
 use crate::precise::speculation::{SpecQueue, Speculation};
 use crate::precise::stream::{batch_digest, StreamInfo, StreamTracker, StreamVerdict};
@@ -24,10 +24,11 @@ fn spec_tick(expires_ms: u64) -> u32 {
 }
 
 /// Bytes a speculative membership is charged against the byte budget: most are the only holder
-/// of a new key, a 12-byte bucket at the table's lowest load (0.7: 17.1 bytes), which the nominal
-/// 16 bytes of a confirmed membership (mostly sharing keys) do not cover; rounded up for the
-/// table's fixed part.
-const SPECULATIVE_BYTES_PER_MEMBERSHIP: u64 = 20;
+/// of a new block (an 8-byte key and a 4-byte head in the store's arena, a 4-byte bucket at the
+/// table's lowest load, 0.7: 17.7 bytes), and speculation withdrawn leaves free arena positions
+/// until a compaction (up to a quarter of the arena) plus the arena's growth step: the nominal
+/// 16 bytes of a confirmed membership (mostly sharing blocks) do not cover that.
+const SPECULATIVE_BYTES_PER_MEMBERSHIP: u64 = 24;
 
 /// Keys are already hashes: mix them once and use the result.
 #[derive(Default)]
@@ -118,7 +119,7 @@ impl EngineKeyMap {
 }
 
 /// Withdraw one speculation's memberships, unless its slot was given to another endpoint since.
-fn withdraw(blocks: &mut PrefixIndex<ExactBucket>, epochs: &[u32], s: &Speculation) {
+fn withdraw(blocks: &mut PrefixIndex, epochs: &[u32], s: &Speculation) {
     if epochs.get(s.slot as usize).copied().unwrap_or(0) == s.epoch {
         blocks.unspeculate(&s.keys, s.slot as usize, s.tick);
     }
@@ -266,7 +267,7 @@ impl PreciseStats {
 /// process's first (seq > 0), the stream reports a gap from 0 and stays unhealthy until replay
 /// or a resync brings it back. Publisher timestamps are informational only (the lag gauge).
 pub struct KvIndex {
-    blocks: PrefixIndex<ExactBucket>,
+    blocks: PrefixIndex,
     scheme: KeyScheme,
     hashing: DualKeyHashing,
     engine_block_tokens: u32,
@@ -685,7 +686,7 @@ impl KvIndex {
     }
 
     /// The underlying block store (diagnostics and tests).
-    pub fn blocks(&self) -> &PrefixIndex<ExactBucket> {
+    pub fn blocks(&self) -> &PrefixIndex {
         &self.blocks
     }
 

@@ -1,0 +1,722 @@
+//! The block store behind [`PrefixIndex`](super::PrefixIndex): every stored block in an arena in
+//! the order it was first stored, a hash table from block key to arena position, and holder sets
+//! ("postings") shared by the blocks that have the same holders.
+//!
+//! Written here rather than taken from a crate because the index needs things no general-purpose
+//! map offers together: 4-byte buckets (the key lives once, in the arena), a resumable positional
+//! sweep for incremental garbage collection, chain order kept in memory, and reference-counted
+//! posting lists that many blocks share.
+//!
+//! Layout:
+//! - **arena**: `keys[pos]` (the 64-bit block key) and `heads[pos]` (its holders). A chain stored
+//!   in one call gets consecutive positions, so a lookup walking a chain usually finds block
+//!   `i + 1` right after block `i` (one compare, same cache line) instead of probing the table.
+//!   A head of 0 marks a free position (its block was deleted); free positions are reclaimed by
+//!   [`BlockStore::compact`].
+//! - **table**: open addressing with linear probing, any capacity (the home is a multiply-high
+//!   range reduction of a mix of the key), growth by 1.25x at load 7/8, backward-shift deletion.
+//!   A bucket is `tag << pos_bits | (pos + 1)` (0: empty): `pos_bits` (16 to 27) as the arena's
+//!   size needs, the rest a tag from the key's mix, so a probe step that is not the key is
+//!   almost always told apart without reading the arena (at 4M blocks, 10 tag bits).
+//! - **postings**: a head with the top bit clear is the single record itself; with the top bit
+//!   set, its low 31 bits index a chunk in `chunks`: `[len | class << 16, refs, rec_0, ..,
+//!   rec_{cap-1}]`, `cap = 2 << class`, records sorted by value (owner-major). A chunk is shared
+//!   by every position whose head points to it (`refs` counts them); it is changed in place only
+//!   while one position holds it, otherwise a changed copy is made. Freed chunks go on a
+//!   per-class free list (next index in `rec_0`).
+//!
+//! Records are opaque non-zero `u32`s below `1 << 31`.
+
+const CHUNK_FLAG: u32 = 1 << 31;
+const NONE: u32 = u32::MAX;
+const CLASSES: usize = 13; // caps 2 ..= 8192
+const MIN_BUCKETS: usize = 64;
+/// Bits of a bucket for the position at least and at most (the rest carry the key's tag).
+const MIN_POS_BITS: u32 = 16;
+const MAX_POS_BITS: u32 = 27;
+/// Most blocks the arena can hold (positions are at most 27 bits in a bucket); stores of new
+/// blocks beyond it are dropped (at 17 bytes per block that is a 2 GiB index).
+pub(crate) const MAX_POSITIONS: usize = (1 << MAX_POS_BITS) - 2;
+/// A permanent empty chunk: the head of a position inserted before its first record is set.
+pub(crate) const EMPTY: u32 = CHUNK_FLAG;
+
+/// splitmix64's finalizer: a bijective mix.
+#[inline]
+fn mix64(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The tag of a key's mix in a bucket with `pos_bits` position bits.
+#[inline]
+fn tag_of(mix: u64, pos_bits: u32) -> u32 {
+    (mix as u32) >> pos_bits
+}
+
+#[inline]
+fn cap_of(class: u32) -> usize {
+    2usize << class
+}
+
+/// The smallest class holding `len` records.
+#[inline]
+fn class_for(len: usize) -> u32 {
+    (len.max(2).next_power_of_two().trailing_zeros()) - 1
+}
+
+/// A read-prefetch hint (no-op off x86_64).
+#[inline(always)]
+#[allow(unsafe_code)]
+fn prefetch_read(p: *const i8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is only a hint: it never faults whatever the address and has no
+    // effect the program can observe; SSE is part of the x86_64 baseline. (`wrapping_add` keeps
+    // the address computation itself free of undefined behaviour.)
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Grow `v` to hold `extra` more elements by steps of 1.25x (memory follows the contents closely;
+/// `Vec`'s doubling would leave up to half of it unused).
+fn reserve_stepped<T>(v: &mut Vec<T>, extra: usize) {
+    let need = v.len() + extra;
+    if need > v.capacity() {
+        let target = need.max(v.capacity() + v.capacity() / 4).max(64);
+        v.reserve_exact(target - v.len());
+    }
+}
+
+/// Blocks, their keys and their shared holder sets.
+pub(crate) struct BlockStore {
+    buckets: Vec<u32>,
+    /// Low bits of a bucket holding `pos + 1`; the high `32 - pos_bits` hold a tag of the key
+    /// (as many as the arena's size leaves, so a probe step that is not the key is almost
+    /// never told apart by reading the arena). Grows with the arena (a rebuild).
+    pos_bits: u32,
+    /// Live blocks (positions with a non-zero head).
+    len: usize,
+    keys: Vec<u64>,
+    heads: Vec<u32>,
+    chunks: Vec<u32>,
+    free: [u32; CLASSES],
+    /// Scratch for building a changed posting.
+    build: Vec<u32>,
+}
+
+impl BlockStore {
+    pub(crate) fn new() -> Self {
+        // Chunk 0 is the permanent empty chunk (`EMPTY`), never freed and never counted.
+        BlockStore {
+            buckets: vec![0; MIN_BUCKETS],
+            pos_bits: MIN_POS_BITS,
+            len: 0,
+            keys: Vec::new(),
+            heads: Vec::new(),
+            chunks: vec![0, 1, 0, 0],
+            free: [NONE; CLASSES],
+            build: Vec::new(),
+        }
+    }
+
+    /// Live blocks.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Arena positions (live and free): a sweep pass visits this many.
+    pub(crate) fn positions(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Heap bytes held.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.buckets.capacity() * 4
+            + self.keys.capacity() * 8
+            + self.heads.capacity() * 4
+            + (self.chunks.capacity() + self.build.capacity()) * 4
+    }
+
+    #[inline]
+    fn home(&self, mix: u64) -> usize {
+        crate::approx::mul_hi(mix, self.buckets.len() as u64) as usize
+    }
+
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.buckets.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// Hint the CPU to load `key`'s home bucket (callers walking a key sequence prefetch a few
+    /// keys ahead so the cache misses of a large table overlap instead of queueing).
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        let i = self.home(mix64(key));
+        prefetch_read(self.buckets.as_ptr().wrapping_add(i).cast());
+    }
+
+    /// Buckets in the table.
+    pub(crate) fn buckets(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// The position of `key`, if stored.
+    #[inline]
+    pub(crate) fn find(&self, key: u64) -> Option<usize> {
+        let mix = mix64(key);
+        let pos_bits = self.pos_bits;
+        let tag = tag_of(mix, pos_bits);
+        let mut i = self.home(mix);
+        loop {
+            let b = self.buckets[i];
+            if b == 0 {
+                return None;
+            }
+            if b >> pos_bits == tag {
+                let pos = (b & ((1 << pos_bits) - 1)) as usize - 1;
+                if self.keys[pos] == key {
+                    return Some(pos);
+                }
+            }
+            i = self.next(i);
+        }
+    }
+
+    /// The position after `pos` when it holds `key` (a chain stored together), else the table's
+    /// answer.
+    #[inline]
+    pub(crate) fn find_after(&self, pos: usize, key: u64) -> Option<usize> {
+        let next = pos + 1;
+        if next < self.keys.len() && self.keys[next] == key && self.heads[next] != 0 {
+            return Some(next);
+        }
+        self.find(key)
+    }
+
+    /// Every position's key and head (free positions: head 0), for walks along the arena.
+    #[inline]
+    pub(crate) fn arena(&self) -> (&[u64], &[u32]) {
+        (&self.keys, &self.heads)
+    }
+
+    /// The head at `pos` (0: free).
+    #[inline]
+    pub(crate) fn head(&self, pos: usize) -> u32 {
+        self.heads[pos]
+    }
+
+    /// The records of the block at `pos`.
+    #[inline]
+    pub(crate) fn records_at(&self, pos: usize) -> &[u32] {
+        let head = &self.heads[pos];
+        if *head & CHUNK_FLAG == 0 {
+            if *head == 0 {
+                &[]
+            } else {
+                std::slice::from_ref(head)
+            }
+        } else {
+            self.chunk_records(*head)
+        }
+    }
+
+    /// The records of a chunk head.
+    #[inline]
+    fn chunk_records(&self, head: u32) -> &[u32] {
+        let c = (head & !CHUNK_FLAG) as usize;
+        let len = (self.chunks[c] & 0xffff) as usize;
+        &self.chunks[c + 2..c + 2 + len]
+    }
+
+    /// The records `head` stands for (`head` must be a chunk head or a record).
+    #[inline]
+    pub(crate) fn records_of<'a>(&'a self, head: &'a u32) -> &'a [u32] {
+        if *head & CHUNK_FLAG == 0 {
+            std::slice::from_ref(head)
+        } else {
+            self.chunk_records(*head)
+        }
+    }
+
+    /// Take a reference on `head` (a chunk's count; records are values).
+    #[inline]
+    pub(crate) fn retain(&mut self, head: u32) {
+        if head & CHUNK_FLAG != 0 && head != EMPTY {
+            self.chunks[(head & !CHUNK_FLAG) as usize + 1] += 1;
+        }
+    }
+
+    /// Drop a reference on `head`; a chunk nobody refers to is freed.
+    #[inline]
+    pub(crate) fn release(&mut self, head: u32) {
+        if head & CHUNK_FLAG != 0 && head != EMPTY {
+            let c = (head & !CHUNK_FLAG) as usize;
+            self.chunks[c + 1] -= 1;
+            if self.chunks[c + 1] == 0 {
+                let class = (self.chunks[c] >> 16) as usize;
+                self.chunks[c + 2] = self.free[class];
+                self.free[class] = c as u32;
+            }
+        }
+    }
+
+    fn alloc(&mut self, class: u32) -> usize {
+        let f = self.free[class as usize];
+        if f != NONE {
+            let c = f as usize;
+            self.free[class as usize] = self.chunks[c + 2];
+            return c;
+        }
+        let c = self.chunks.len();
+        reserve_stepped(&mut self.chunks, 2 + cap_of(class));
+        self.chunks.resize(c + 2 + cap_of(class), 0);
+        c
+    }
+
+    /// A head for the sorted records `recs` (a record itself, or a new chunk with no
+    /// references yet: give it to a position or `retain`/`release` it). `None` when empty.
+    fn make(&mut self, recs: &[u32]) -> Option<u32> {
+        match recs.len() {
+            0 => None,
+            1 => Some(recs[0]),
+            len => {
+                let class = class_for(len);
+                let c = self.alloc(class);
+                self.chunks[c] = (class << 16) | len as u32;
+                self.chunks[c + 1] = 0;
+                self.chunks[c + 2..c + 2 + len].copy_from_slice(recs);
+                Some(CHUNK_FLAG | c as u32)
+            }
+        }
+    }
+
+    /// The head for `head`'s records with the record of `who` (`owner(r) == who`) replaced by
+    /// `f(old)` (`Some`: set or added, `None`: removed). Returns `(new head or None when empty,
+    /// old record)`. When no position but the caller's holds `head`, the chunk may be changed in
+    /// place (the returned head is then `head` itself).
+    pub(crate) fn derive(
+        &mut self,
+        head: u32,
+        who: u32,
+        owner: impl Fn(u32) -> u32,
+        f: impl FnOnce(Option<u32>) -> Option<u32>,
+    ) -> (Option<u32>, Option<u32>) {
+        if head & CHUNK_FLAG == 0 {
+            // A single record (or a free position, treated as empty).
+            if head != 0 && owner(head) == who {
+                return (f(Some(head)), Some(head));
+            }
+            let old = (head != 0).then_some(head);
+            return match f(None) {
+                None => (old, None),
+                Some(rec) => match old {
+                    None => (Some(rec), None),
+                    Some(o) => {
+                        let pair = if o < rec { [o, rec] } else { [rec, o] };
+                        (self.make(&pair), None)
+                    }
+                },
+            };
+        }
+        let c = (head & !CHUNK_FLAG) as usize;
+        let len = (self.chunks[c] & 0xffff) as usize;
+        let found = self.chunks[c + 2..c + 2 + len].binary_search_by_key(&who, |&r| owner(r));
+        let old = found.ok().map(|i| self.chunks[c + 2 + i]);
+        let new = f(old);
+        if new.is_some() && new == old {
+            return (Some(head), old);
+        }
+        let exclusive = head != EMPTY && self.chunks[c + 1] == 1;
+        match (found, new) {
+            (Ok(i), Some(rec)) if exclusive => {
+                self.chunks[c + 2 + i] = rec;
+                (Some(head), old)
+            }
+            (Ok(i), Some(rec)) => {
+                let mut b = std::mem::take(&mut self.build);
+                b.clear();
+                b.extend_from_slice(&self.chunks[c + 2..c + 2 + len]);
+                b[i] = rec;
+                let h = self.make(&b);
+                self.build = b;
+                (h, old)
+            }
+            (Ok(i), None) => {
+                let mut b = std::mem::take(&mut self.build);
+                b.clear();
+                b.extend_from_slice(&self.chunks[c + 2..c + 2 + len]);
+                b.remove(i);
+                let h = self.make(&b);
+                self.build = b;
+                (h, old)
+            }
+            (Err(_), None) => ((len > 0).then_some(head), None),
+            (Err(i), Some(rec)) => {
+                let mut b = std::mem::take(&mut self.build);
+                b.clear();
+                b.extend_from_slice(&self.chunks[c + 2..c + 2 + i]);
+                b.push(rec);
+                b.extend_from_slice(&self.chunks[c + 2 + i..c + 2 + len]);
+                let h = self.make(&b);
+                self.build = b;
+                (h, None)
+            }
+        }
+    }
+
+    /// The head for `head`'s records that `keep` keeps, and how many were dropped.
+    pub(crate) fn filter(&mut self, head: u32, mut keep: impl FnMut(u32) -> bool) -> (Option<u32>, u32) {
+        if head & CHUNK_FLAG == 0 {
+            return if head == 0 || !keep(head) { (None, u32::from(head != 0)) } else { (Some(head), 0) };
+        }
+        let mut b = std::mem::take(&mut self.build);
+        b.clear();
+        b.extend(self.chunk_records(head).iter().copied().filter(|&r| keep(r)));
+        let dropped = (self.chunk_records(head).len() - b.len()) as u32;
+        let h = if dropped == 0 && !b.is_empty() { Some(head) } else { self.make(&b) };
+        self.build = b;
+        (h, dropped)
+    }
+
+    /// Point `pos` at `head` (non-zero), dropping its old head's reference.
+    #[inline]
+    pub(crate) fn set_head(&mut self, pos: usize, head: u32) {
+        debug_assert!(head != 0);
+        let old = self.heads[pos];
+        if old != head {
+            self.retain(head);
+            self.heads[pos] = head;
+            self.release(old);
+        }
+    }
+
+    /// Store the new block `key` (absent) with `head`, at the end of the arena. `None` when the
+    /// arena is full ([`MAX_POSITIONS`]).
+    pub(crate) fn insert(&mut self, key: u64, head: u32) -> Option<usize> {
+        debug_assert!(head != 0);
+        let pos = self.keys.len();
+        if pos >= MAX_POSITIONS {
+            return None;
+        }
+        if pos + 2 > 1 << self.pos_bits {
+            // Positions outgrow their bits: two more (the tags lose two), and a rebuild.
+            self.pos_bits = (self.pos_bits + 2).min(MAX_POS_BITS);
+            self.rebuild(self.buckets.len());
+        }
+        if (self.len + 1) * 8 > self.buckets.len() * 7 {
+            let n = self.buckets.len() + self.buckets.len() / 2;
+            self.rebuild(n);
+        }
+        reserve_stepped(&mut self.keys, 1);
+        reserve_stepped(&mut self.heads, 1);
+        self.keys.push(key);
+        self.heads.push(0);
+        self.set_head(pos, head);
+        self.place(key, pos);
+        self.len += 1;
+        Some(pos)
+    }
+
+    fn place(&mut self, key: u64, pos: usize) {
+        let mix = mix64(key);
+        let mut i = self.home(mix);
+        while self.buckets[i] != 0 {
+            i = self.next(i);
+        }
+        self.buckets[i] = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
+    }
+
+    /// Rebuild the table with `n` buckets from the arena.
+    fn rebuild(&mut self, n: usize) {
+        self.buckets = Vec::new();
+        self.buckets = vec![0; n.max(MIN_BUCKETS)];
+        // Homes a few positions ahead are prefetched: a large table's misses then overlap.
+        const AHEAD: usize = 16;
+        let prefetch = self.buckets.len() >= 1 << 16;
+        for pos in 0..self.keys.len() {
+            if prefetch {
+                if let Some(&ahead) = self.keys.get(pos + AHEAD) {
+                    self.prefetch(ahead);
+                }
+            }
+            if self.heads[pos] != 0 {
+                self.place(self.keys[pos], pos);
+            }
+        }
+    }
+
+    /// Delete the block at `pos` (its position becomes free).
+    pub(crate) fn delete(&mut self, pos: usize) {
+        let head = self.heads[pos];
+        if head == 0 {
+            return;
+        }
+        let key = self.keys[pos];
+        let mix = mix64(key);
+        let mut hole = self.home(mix);
+        let want = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
+        let pos_mask = (1u32 << self.pos_bits) - 1;
+        while self.buckets[hole] != want {
+            hole = self.next(hole);
+        }
+        let n = self.buckets.len();
+        self.buckets[hole] = 0;
+        let mut j = self.next(hole);
+        while self.buckets[j] != 0 {
+            let p = (self.buckets[j] & pos_mask) as usize - 1;
+            let home = self.home(mix64(self.keys[p]));
+            // Move j into the hole unless its home lies cyclically in (hole, j].
+            let dist_home = (j + n - home) % n;
+            let dist_hole = (j + n - hole) % n;
+            if dist_home >= dist_hole {
+                self.buckets[hole] = self.buckets[j];
+                self.buckets[j] = 0;
+                hole = j;
+            }
+            j = self.next(j);
+        }
+        self.heads[pos] = 0;
+        self.release(head);
+        self.len -= 1;
+    }
+
+    /// Free positions (deleted blocks) not yet reclaimed.
+    pub(crate) fn free_positions(&self) -> usize {
+        self.keys.len() - self.len
+    }
+
+    /// Reclaim free positions (live blocks keep their order) and size the table and arena to
+    /// the contents. Positions change: callers holding positions must drop them.
+    /// Returns where position `keep` went (the count of live positions before it).
+    pub(crate) fn compact(&mut self, keep: usize) -> usize {
+        let mut w = 0;
+        let mut kept = 0;
+        for r in 0..self.keys.len() {
+            if r == keep {
+                kept = w;
+            }
+            if self.heads[r] != 0 {
+                self.keys[w] = self.keys[r];
+                self.heads[w] = self.heads[r];
+                w += 1;
+            }
+        }
+        self.keys.truncate(w);
+        self.heads.truncate(w);
+        if self.keys.capacity() > w + w / 8 + 64 {
+            self.keys.shrink_to(w + w / 16);
+            self.heads.shrink_to(w + w / 16);
+        }
+        let n = (self.len * 8 / 7 + 1).max(self.len + self.len / 4);
+        self.rebuild(n);
+        if keep >= w {
+            w
+        } else {
+            kept
+        }
+    }
+
+    /// Shrink the table when it is mostly empty (after large removals).
+    pub(crate) fn maybe_shrink(&mut self) {
+        let n = self.buckets.len();
+        if n > MIN_BUCKETS && self.len * 8 < n {
+            self.rebuild((self.len * 2).max(MIN_BUCKETS));
+            self.buckets.shrink_to_fit();
+        }
+    }
+
+    /// Drop everything.
+    pub(crate) fn clear(&mut self) {
+        *self = Self::new();
+    }
+
+    /// Every live (key, records) (tests and diagnostics).
+    #[cfg(test)]
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &[u32])> + '_ {
+        (0..self.keys.len()).filter(|&p| self.heads[p] != 0).map(|p| (self.keys[p], self.records_at(p)))
+    }
+
+    /// Chunks in use, with their reference counts checked against the positions (tests).
+    #[cfg(test)]
+    pub(crate) fn check_refs(&self) {
+        let mut counts = std::collections::BTreeMap::<u32, u32>::new();
+        for &h in &self.heads {
+            if h & CHUNK_FLAG != 0 && h != EMPTY {
+                *counts.entry(h).or_default() += 1;
+            }
+        }
+        for (&h, &n) in &counts {
+            let c = (h & !CHUNK_FLAG) as usize;
+            assert_eq!(self.chunks[c + 1], n, "chunk {c} references");
+            let recs = self.chunk_records(h);
+            assert!(recs.len() >= 2 && recs.windows(2).all(|w| w[0] < w[1]), "chunk {c} sorted, 2+ records");
+        }
+        assert_eq!(self.heads.iter().filter(|&&h| h != 0).count(), self.len);
+        for p in 0..self.keys.len() {
+            if self.heads[p] != 0 {
+                assert_eq!(self.find(self.keys[p]), Some(p));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    fn slot(r: u32) -> u32 {
+        r >> 8
+    }
+
+    /// Set `rec` for its owner in `key`'s posting (inserting the key), as the index does.
+    fn upsert(s: &mut BlockStore, key: u64, rec: u32) -> Option<u32> {
+        match s.find(key) {
+            Some(p) => {
+                let (h, old) = s.derive(s.head(p), slot(rec), slot, |_| Some(rec));
+                s.set_head(p, h.unwrap_or(EMPTY));
+                old
+            }
+            None => {
+                s.insert(key, rec);
+                None
+            }
+        }
+    }
+
+    fn remove_owner(s: &mut BlockStore, key: u64, who: u32) {
+        if let Some(p) = s.find(key) {
+            match s.derive(s.head(p), who, slot, |_| None).0 {
+                Some(h) => s.set_head(p, h),
+                None => s.delete(p),
+            }
+        }
+    }
+
+    #[test]
+    fn matches_a_reference_map_with_shared_postings() {
+        let mut t = BlockStore::new();
+        let mut model: BTreeMap<u64, BTreeMap<u32, u32>> = BTreeMap::new();
+        let mut x: u64 = 1;
+        for step in 0..100_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = x % 3000;
+            let s = (x >> 20) as u32 % 40;
+            let rec = (s << 8) | (step & 0x7f) | 0x80;
+            match x % 11 {
+                0 | 1 => {
+                    remove_owner(&mut t, key, s);
+                    if let Some(m) = model.get_mut(&key) {
+                        m.remove(&s);
+                        if m.is_empty() {
+                            model.remove(&key);
+                        }
+                    }
+                }
+                2 => {
+                    // Share one key's posting with the next key (as a chain stored together).
+                    if let (Some(a), Some(b)) = (t.find(key), t.find(key + 1)) {
+                        let h = t.head(a);
+                        t.set_head(b, h);
+                        let m = model[&key].clone();
+                        model.insert(key + 1, m);
+                    }
+                }
+                _ => {
+                    let old = upsert(&mut t, key, rec);
+                    let mold = model.entry(key).or_default().insert(s, rec);
+                    assert_eq!(old, mold);
+                }
+            }
+            if step % 10_000 == 0 {
+                t.check_refs();
+                t.compact(0);
+            }
+        }
+        t.check_refs();
+        assert_eq!(t.len(), model.len());
+        for (k, m) in &model {
+            let got: Vec<u32> = t.find(*k).map(|p| t.records_at(p).to_vec()).unwrap_or_default();
+            let want: Vec<u32> = m.values().copied().collect::<BTreeSet<_>>().into_iter().collect();
+            assert_eq!(got, want, "key {k}");
+        }
+        assert_eq!(t.iter().count(), model.len());
+        for p in 0..t.positions() {
+            if t.head(p) != 0 {
+                t.delete(p);
+            }
+        }
+        assert_eq!(t.len(), 0);
+        t.compact(0);
+        t.maybe_shrink();
+        assert_eq!(t.positions(), 0);
+        assert!(t.buckets() <= 64);
+        for k in model.keys() {
+            assert_eq!(t.find(*k), None);
+        }
+    }
+
+    #[test]
+    fn every_key_including_zero_and_chains_are_consecutive() {
+        let mut t = BlockStore::new();
+        for k in 0..5000u64 {
+            t.insert(k * 7, 0x80).unwrap();
+        }
+        assert_eq!(t.len(), 5000);
+        assert_eq!(t.find(0).map(|p| t.records_at(p)), Some(&[0x80][..]));
+        assert_eq!(t.find(7 * 4999), Some(4999));
+        assert_eq!(t.find_after(10, 77), Some(11));
+        assert_eq!(t.find(1), None);
+        t.delete(11);
+        assert_eq!(t.find_after(10, 77), None, "a free position is not a successor");
+        t.check_refs();
+    }
+
+    #[test]
+    fn chunks_are_shared_copied_on_write_and_reused() {
+        let mut t = BlockStore::new();
+        let p = t.insert(1, 1 << 8 | 1).unwrap();
+        let q = t.insert(2, 1 << 8 | 1).unwrap();
+        let (h, _) = t.derive(t.head(p), 2, slot, |_| Some(2 << 8 | 1));
+        let h = h.unwrap();
+        t.set_head(p, h);
+        t.set_head(q, h);
+        // A change to a shared chunk copies it; the other position keeps its records.
+        let (h2, old) = t.derive(h, 2, slot, |_| Some(2 << 8 | 5));
+        assert_eq!(old, Some(2 << 8 | 1));
+        assert_ne!(h2, Some(h));
+        t.set_head(q, h2.unwrap());
+        assert_eq!(t.records_at(p), &[1 << 8 | 1, 2 << 8 | 1]);
+        assert_eq!(t.records_at(q), &[1 << 8 | 1, 2 << 8 | 5]);
+        // An exclusive chunk is changed in place.
+        let (h3, _) = t.derive(t.head(q), 2, slot, |_| Some(2 << 8 | 6));
+        assert_eq!(h3, Some(t.head(q)));
+        t.check_refs();
+        for s in 3..1000u32 {
+            let (h, _) = t.derive(t.head(p), s, slot, |_| Some(s << 8 | 1));
+            t.set_head(p, h.unwrap());
+        }
+        assert_eq!(t.records_at(p).len(), 999, "slots 1 ..= 999");
+        assert!(t.records_at(p).windows(2).all(|w| w[0] < w[1]), "chunks stay sorted");
+        let arena = t.chunks.len();
+        let (h, dropped) = t.filter(t.head(p), |r| slot(r) < 3);
+        assert_eq!(dropped, 997);
+        assert_eq!(t.records_at(p).len(), 999, "not yet set");
+        t.set_head(p, h.unwrap());
+        for s in 3..1000u32 {
+            let (h, _) = t.derive(t.head(p), s, slot, |_| Some(s << 8 | 1));
+            t.set_head(p, h.unwrap());
+        }
+        assert!(t.chunks.len() <= arena * 2, "free lists are reused");
+        t.check_refs();
+    }
+}
