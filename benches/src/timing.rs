@@ -5,24 +5,36 @@
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
-/// CPU time this process has run, summed over its threads (Linux: the first field of every
-/// `/proc/self/task/*/schedstat`, in nanoseconds). Unlike wall time it does not count the time
-/// other processes hold the cores, so a bench timed with it measures the same work on a busy
-/// machine as on an idle one (up to cache effects). Elsewhere: a monotonic clock.
+/// CPU time this process has run, summed over its live threads (Linux: the first field of
+/// every `/proc/self/task/*/schedstat`, in nanoseconds). Unlike wall time it does not count the
+/// time other processes hold the cores, so a bench timed with it measures the same work on a busy
+/// machine as on an idle one (up to cache effects). A thread that exits takes its time with it:
+/// take differences with `saturating_sub` around work whose threads outlive the measurement.
+/// Elsewhere: a monotonic clock.
 pub fn cpu_time() -> Duration {
     fn schedstat() -> Option<u64> {
         let mut total = 0u64;
         for task in std::fs::read_dir("/proc/self/task").ok()? {
-            let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
-            total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+            total += run_ns(&task.ok()?.path().join("schedstat"))?;
         }
         Some(total)
     }
+    schedstat().map_or_else(monotonic, Duration::from_nanos)
+}
+
+/// CPU time the calling thread has run (Linux: `/proc/thread-self/schedstat`); elsewhere a
+/// monotonic clock. For single-threaded measurements (lookups timed by criterion).
+pub fn thread_cpu_time() -> Duration {
+    run_ns(std::path::Path::new("/proc/thread-self/schedstat")).map_or_else(monotonic, Duration::from_nanos)
+}
+
+fn run_ns(path: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.split_whitespace().next()?.parse().ok()
+}
+
+fn monotonic() -> Duration {
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    match schedstat() {
-        Some(ns) => Duration::from_nanos(ns),
-        None => START.get_or_init(Instant::now).elapsed(),
-    }
+    START.get_or_init(Instant::now).elapsed()
 }
 
 /// Median of `v` (NaN when empty).
@@ -84,17 +96,18 @@ mod tests {
     }
 
     #[test]
-    fn cpu_time_counts_work_not_sleep() {
-        let t0 = cpu_time();
+    fn thread_cpu_time_counts_work_not_sleep() {
+        let t0 = thread_cpu_time();
         std::thread::sleep(Duration::from_millis(50));
-        let slept = cpu_time() - t0;
-        let t1 = cpu_time();
+        let slept = thread_cpu_time().saturating_sub(t0);
+        let t1 = thread_cpu_time();
         let mut x = 0u64;
-        while cpu_time() - t1 < Duration::from_millis(20) {
+        while thread_cpu_time().saturating_sub(t1) < Duration::from_millis(20) {
             x = std::hint::black_box(x.wrapping_add(1));
         }
-        assert!(cpu_time() - t1 >= Duration::from_millis(20));
-        // Sleeping runs no code (allow for the clock's own reads).
+        // Sleeping runs no code (allow for the clock's own reads); the loop ran 20 ms of CPU.
         assert!(slept < Duration::from_millis(50), "{slept:?}");
+        assert!(thread_cpu_time().saturating_sub(t1) >= Duration::from_millis(20));
+        assert!(cpu_time() >= thread_cpu_time(), "the process has run at least this thread's time");
     }
 }

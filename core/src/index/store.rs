@@ -32,7 +32,7 @@ const NONE: u32 = u32::MAX;
 const CLASSES: usize = 13; // caps 2 ..= 8192
 const MIN_BUCKETS: usize = 64;
 /// Bits of a bucket for the position at least and at most (the rest carry the key's tag).
-const MIN_POS_BITS: u32 = 16;
+const MIN_POS_BITS: u32 = 20;
 const MAX_POS_BITS: u32 = 27;
 /// Most blocks the arena can hold (positions are at most 27 bits in a bucket); stores of new
 /// blocks beyond it are dropped (at 17 bytes per block that is a 2 GiB index).
