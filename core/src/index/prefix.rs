@@ -187,7 +187,7 @@ type DupCounts = std::collections::BTreeMap<(BlockKey, u16, u32), u32>;
 /// Heap bytes charged per duplicate-count entry (a B-tree entry with its share of a node).
 const DUP_ENTRY_BYTES: usize = 48;
 
-/// A prefix index over bucket layout `B`. Slots are the endpoint table's slot numbers.
+/// A prefix index. Slots are the endpoint table's slot numbers.
 ///
 /// ---
 ///
@@ -196,16 +196,24 @@ const DUP_ENTRY_BYTES: usize = 48;
 ///
 /// - [`ApproxIndex`] = `PrefixIndex`: blocks *assumed* resident because the router
 ///   sent a request there (exact 64-bit keys: two tenants' keys never share an entry unless the
-///   64-bit keys themselves are equal; 32-bit fingerprints let a chosen pair of salts collide in a
-///   birthday search of about 2^16 salts, see `core/tests/tenant_boundaries.rs`).
+///   64-bit keys themselves are equal; a lookup compares the whole key stored in the arena, as
+///   32-bit fingerprints would let a chosen pair of salts collide in a birthday search of about
+///   2^16 salts, see `core/tests/tenant_boundaries.rs`).
 /// - The event-fed precise index uses `PrefixIndex` too and adds tiers from the
 ///   engine's events and speculative entries.
 ///
 /// # Structure
-/// One posting table maps a block key to the set of endpoints holding it. Each (block, endpoint)
-/// membership is a 31-bit record: the endpoint's slot (12 bits), the tiers it is held in (GPU,
-/// CPU, STORAGE: 3 bits), a speculative flag, and a generation stamp (15 bits). Records are never
-/// 0 (a live record always has a tier or the speculative flag).
+/// A block store (`store.rs`) keeps every block in an arena, in the order blocks were first
+/// stored (a chain stored in one call lies in consecutive positions), a hash table from block key
+/// to position, and per block the set of endpoints holding it (its posting). Each (block,
+/// endpoint) membership is a 31-bit record: the endpoint's slot (12 bits), the tiers it is held
+/// in (GPU, CPU, STORAGE: 3 bits), a speculative flag, and a generation stamp (15 bits). Records
+/// are never 0 (a live record always has a tier or the speculative flag). A posting of several
+/// records is a reference-counted chunk shared by every block with the same records: the blocks
+/// of a chain stored or touched together share one (each change in a call is made once and
+/// reused for the next block with the same old posting), so a system prompt held by hundreds of
+/// endpoints costs one chunk, not one per block, and a lookup walking it compares two heads per
+/// block instead of two lists of hundreds of records.
 ///
 /// # Eviction: generational LRU
 /// Each endpoint has a capacity `cap` (memberships, from the byte budget) and a generation counter.
@@ -219,9 +227,9 @@ const DUP_ENTRY_BYTES: usize = 48;
 /// Blocks of one request are touched tail-first, so a request's head blocks are never older than
 /// its tail blocks and eviction trims prefixes from the end, as engines do.
 ///
-/// Dead records are reclaimed by an incremental sweeper that walks the table a bounded number of
-/// buckets: four per new membership while dead records await reclaiming (so they stay a bounded
-/// fraction of the table), plus `buckets / 16384 + 1` per generation advance, so a whole pass
+/// Dead records are reclaimed by an incremental sweeper that walks the arena a bounded number of
+/// positions: four per new membership while dead records await reclaiming (so they stay a bounded
+/// fraction of the arena), plus `positions / 16384 + 1` per generation advance, so a whole pass
 /// completes within 16,384 advances of all endpoints together — inside the 2^15-generation stamp
 /// window of each endpoint (2x margin), which makes stamp wrap-around impossible to observe.
 ///
@@ -234,11 +242,14 @@ const DUP_ENTRY_BYTES: usize = 48;
 /// of a membership that is evicted, cleared or retired are dropped with it (at latest on the
 /// next sweep pass).
 ///
+/// A block left without records is deleted; its position is reclaimed when free positions are
+/// an eighth of the arena (a compaction keeping the order, amortized O(1) per deletion).
+///
 /// # Memory
-/// A key with one holder costs one bucket (12 bytes; load ≤ 7/8); each
-/// further holder costs 4 bytes in a size-classed arena chunk; an outstanding duplicate store on
-/// an offload tier costs one side-table entry (about 48 bytes). See `memory_bytes` and the `index_memory` test for
-/// measured bytes per membership.
+/// A block costs its key and head in the arena (12 bytes) and a 4-byte bucket (load 0.58–0.875);
+/// holders beyond the first cost 4 bytes each in a chunk shared by the blocks with the same
+/// holders; an outstanding duplicate store on an offload tier costs one side-table entry (about
+/// 48 bytes). See `memory_bytes` and the `index_memory` test for measured bytes per membership.
 pub struct PrefixIndex {
     store: BlockStore,
     dups: DupCounts,
