@@ -177,6 +177,27 @@ impl SpecQueue {
         Some(s)
     }
 
+    /// Whether [`SpecQueue::advance`] at `now_ms` would withdraw a record or hold one to
+    /// `now + ttl` (read-only; what else `advance` updates, the clock and the bucket window,
+    /// changes no lookup).
+    pub(crate) fn due(&self, now_ms: u64) -> bool {
+        if self.len == 0 {
+            return false;
+        }
+        let horizon = now_ms.saturating_add(self.ttl_ms);
+        if self.hi > tick(horizon.saturating_add(self.ttl_ms / SKEW_DIVISOR)) {
+            return true;
+        }
+        let now_t = tick(now_ms);
+        if now_t > self.hi {
+            return true;
+        }
+        if (self.lo..now_t).any(|t| !self.buckets[self.slot_of(t)].is_empty()) {
+            return true;
+        }
+        self.lo <= now_t && self.buckets[self.slot_of(now_t)].front().is_some_and(|s| s.deadline_ms <= now_ms)
+    }
+
     /// Observe `now_ms`: records past `now + ttl` are held to it; records due are passed to
     /// `withdraw`.
     pub(crate) fn advance(&mut self, now_ms: u64, mut withdraw: impl FnMut(Speculation)) {
