@@ -3,13 +3,18 @@
 //! - **scaling**: `route` + `complete` of pre-parsed 8k-token text requests (approximate index,
 //!   64 endpoints, warmed as in `--bench route`, 16 tenants' follow-up turns) on one shared
 //!   `Router` from 1, 2, … threads (up to the machine's cores; `KVROUTE_THREADS=1,2,4` to
-//!   choose): decisions per second, and the ratio to one thread;
+//!   choose): decisions per second, and the ratio to one thread; the same for 8k-token token-id
+//!   requests on the precise index (dual keys, 64 endpoints, 3/4 of each prompt cached). Each
+//!   is measured against the same work on a router per thread (nothing shared: what the machine
+//!   itself allows, the ceiling on a loaded or small machine);
 //! - **lookups under events**: one thread routing + completing 8k-token token-id requests on the
 //!   precise index (dual keys, 64 endpoints, fed with 256 conversations' `BlockStored` events)
 //!   alone, then while a second thread applies `BlockStored` batches through
 //!   `Router::apply_batch` as fast as it can: lookups per second and the slowdown, with the
 //!   applier's rate.
 //!
+//! `KVROUTE_THREADS_PART=scaling` (or `precise-scaling`) runs one scaling part alone, shared
+//! router only (e.g. under a profiler).
 //! Both are timed with `Instant` over fixed operation counts; each figure is the median of
 //! `RUNS` runs (the conditions alternate, so machine noise hits both alike). Criterion times one
 //! route + complete on the shared router with and without an applier thread. The summary printed
@@ -242,6 +247,50 @@ fn lookup_run(
     (lookups, applied)
 }
 
+/// Decisions/s at each thread count on `router` shared, and on a router per thread (made by
+/// `make`: the machine's own ceiling, nothing shared), medians of `RUNS` interleaved runs.
+fn scaling_of(
+    router: &Arc<Router>,
+    reqs: &Arc<Vec<RouteRequest>>,
+    counts: &[usize],
+    make: impl Fn() -> Router,
+) -> Vec<(usize, f64, f64)> {
+    let max_threads = counts.iter().copied().max().unwrap_or(1);
+    let own: Vec<Arc<Router>> = (0..max_threads).map(|_| Arc::new(make())).collect();
+    let shared = [router.clone()];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    let mut ceiling: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    scaling_run(&shared, reqs, 1, OPS / 4); // warm-up
+    scaling_run(&own, reqs, max_threads, OPS / 4);
+    for _ in 0..RUNS {
+        for (i, &t) in counts.iter().enumerate() {
+            rates[i].push(scaling_run(&shared, reqs, t, OPS));
+            ceiling[i].push(scaling_run(&own, reqs, t, OPS));
+        }
+    }
+    assert_eq!(router.stats().inflight_requests, 0, "every decision was completed");
+    counts.iter().zip(rates.into_iter().zip(ceiling)).map(|(&t, (r, c))| (t, median(r), median(c))).collect()
+}
+
+fn print_scaling(what: &str, scaling: &[(usize, f64, f64)]) {
+    let (one, one_own) = scaling.first().map_or((f64::NAN, f64::NAN), |s| (s.1, s.2));
+    for (t, r, c) in scaling {
+        println!(
+            "- {what}, {t} thread(s): {r:.0} decisions/s on one shared router ({:.2}x one thread); {c:.0}/s on a router per thread ({:.2}x: the machine's ceiling)",
+            r / one,
+            c / one_own
+        );
+    }
+    if let Some((_, two, two_own)) = scaling.iter().find(|s| s.0 == 2) {
+        let x = two / one;
+        println!(
+            "- {what}, 2 threads vs 1 on one shared router: {x:.2}x (goal ≥ 1.7x: {}); ceiling here {:.2}x",
+            if x >= 1.7 { "met" } else { "NOT met" },
+            two_own / one_own
+        );
+    }
+}
+
 fn thread_counts() -> Vec<usize> {
     if let Ok(s) = std::env::var("KVROUTE_THREADS") {
         let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).filter(|&n| n > 0).collect();
@@ -269,27 +318,28 @@ fn load_average() -> String {
 }
 
 fn main() {
+    let part = std::env::var("KVROUTE_THREADS_PART").unwrap_or_default();
+    if part == "scaling" || part == "precise-scaling" {
+        let (router, reqs) = if part == "scaling" {
+            approx_router()
+        } else {
+            let (r, _, q, _) = precise_router();
+            (r, q)
+        };
+        let (router, reqs) = ([Arc::new(router)], Arc::new(reqs));
+        for &t in &thread_counts() {
+            let r = median((0..RUNS).map(|_| scaling_run(&router, &reqs, t, OPS)).collect());
+            println!("route+complete, {t} thread(s): {r:.0} decisions/s");
+        }
+        return;
+    }
     let load_before = load_average();
+    let counts = thread_counts();
     let (router, reqs) = approx_router();
     let (router, reqs) = (Arc::new(router), Arc::new(reqs));
-    let counts = thread_counts();
-    // The machine's own ceiling: the same work on one router per thread (nothing shared).
-    let max_threads = counts.iter().copied().max().unwrap_or(1);
-    let own: Vec<Arc<Router>> = (0..max_threads).map(|_| Arc::new(approx_router().0)).collect();
-    let shared = [router.clone()];
-    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
-    let mut ceiling: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
-    scaling_run(&shared, &reqs, 1, OPS / 4); // warm-up
-    for _ in 0..RUNS {
-        for (i, &t) in counts.iter().enumerate() {
-            rates[i].push(scaling_run(&shared, &reqs, t, OPS));
-            ceiling[i].push(scaling_run(&own, &reqs, t, OPS));
-        }
-    }
-    let stats = router.stats();
-    assert_eq!(stats.inflight_requests, 0, "every decision was completed");
-    let scaling: Vec<(usize, f64, f64)> =
-        counts.iter().zip(rates.into_iter().zip(ceiling)).map(|(&t, (r, c))| (t, median(r), median(c))).collect();
+    let scaling = scaling_of(&router, &reqs, &counts, || approx_router().0);
+    let (prouter, _, preqs, _) = precise_router();
+    let pscaling = scaling_of(&Arc::new(prouter), &Arc::new(preqs), &counts, || precise_router().0);
 
     let (prouter, ids, preqs, batches) = precise_router();
     let (prouter, ids, preqs, batches) = (Arc::new(prouter), Arc::new(ids), Arc::new(preqs), Arc::new(batches));
@@ -346,22 +396,8 @@ fn main() {
         "## Thread scaling (median of {RUNS} runs; {cores} cores; load average before {load_before}, after {})",
         load_average()
     );
-    let (one, one_own) = scaling.first().map_or((f64::NAN, f64::NAN), |s| (s.1, s.2));
-    for (t, r, c) in &scaling {
-        println!(
-            "- route+complete, {t} thread(s): {r:.0} decisions/s on one shared router ({:.2}x one thread); {c:.0}/s on a router per thread ({:.2}x: the machine's ceiling)",
-            r / one,
-            c / one_own
-        );
-    }
-    if let Some((_, two, two_own)) = scaling.iter().find(|s| s.0 == 2) {
-        let x = two / one;
-        println!(
-            "- 2 threads vs 1 on one shared router: {x:.2}x (goal ≥ 1.7x: {}); ceiling here {:.2}x",
-            if x >= 1.7 { "met" } else { "NOT met" },
-            two_own / one_own
-        );
-    }
+    print_scaling("route+complete approx 8k", &scaling);
+    print_scaling("route+complete precise 8k (dual keys)", &pscaling);
     let slow = (1.0 - with / alone) * 100.0;
     println!(
         "- lookups (precise route+complete): {alone:.0}/s alone, {with:.0}/s with an applier thread on the same router at {:.0} batches/s ({:.0} blocks/s): {slow:.1}% slower (goal ≤ 10% slower: {})",
