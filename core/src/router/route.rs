@@ -137,6 +137,17 @@ pub(crate) struct Plan {
     outcome: Planned,
 }
 
+impl Plan {
+    /// The roster index of the decode endpoint planned for, if the request is routed (tests).
+    #[cfg(test)]
+    pub(super) fn target(&self) -> Option<usize> {
+        match &self.outcome {
+            Planned::Route(p, _) => Some(p.d),
+            _ => None,
+        }
+    }
+}
+
 enum Planned {
     /// No decode-capable candidate.
     NoEndpoint,
