@@ -674,6 +674,12 @@ impl KvIndex {
         self.advance_speculation(now_ms);
     }
 
+    /// Whether [`KvIndex::expire`] at `now_ms` would change what a lookup sees (speculation to
+    /// withdraw or hold back).
+    pub(crate) fn expiry_due(&self, now_ms: u64) -> bool {
+        self.speculation.due(now_ms)
+    }
+
     /// Longest held prefix per slot.
     pub fn match_blocks(
         &self,

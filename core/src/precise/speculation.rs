@@ -177,6 +177,27 @@ impl SpecQueue {
         Some(s)
     }
 
+    /// Whether [`SpecQueue::advance`] at `now_ms` would withdraw a record or hold one to
+    /// `now + ttl` (read-only; what else `advance` updates, the clock and the bucket window,
+    /// changes no lookup).
+    pub(crate) fn due(&self, now_ms: u64) -> bool {
+        if self.len == 0 {
+            return false;
+        }
+        let horizon = now_ms.saturating_add(self.ttl_ms);
+        if self.hi > tick(horizon.saturating_add(self.ttl_ms / SKEW_DIVISOR)) {
+            return true;
+        }
+        let now_t = tick(now_ms);
+        if now_t > self.hi {
+            return true;
+        }
+        if (self.lo..now_t).any(|t| !self.buckets[self.slot_of(t)].is_empty()) {
+            return true;
+        }
+        self.lo <= now_t && self.buckets[self.slot_of(now_t)].front().is_some_and(|s| s.deadline_ms <= now_ms)
+    }
+
     /// Observe `now_ms`: records past `now + ttl` are held to it; records due are passed to
     /// `withdraw`.
     pub(crate) fn advance(&mut self, now_ms: u64, mut withdraw: impl FnMut(Speculation)) {
@@ -287,6 +308,41 @@ mod tests {
         q.advance(now, |s| out.push(s.keys[0]));
         out.sort_unstable();
         out
+    }
+
+    /// `due` (the read-only check `Router` makes before a decision's read phase) is true
+    /// whenever `advance` would withdraw something: on a pseudo-random walk of inserts and
+    /// clock readings, forwards, backwards and past the window.
+    #[test]
+    fn due_predicts_every_withdrawal() {
+        let mut q = SpecQueue::new(300);
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let (mut now, mut withdrawals, mut quiet) = (1_000u64, 0, 0);
+        for id in 0..20_000u64 {
+            let r = next();
+            now = match r % 16 {
+                0 => now.saturating_sub((r >> 40) & 0x1ff),
+                1 => now + 700 + ((r >> 40) & 0x3ff),
+                _ => now + ((r >> 40) & 0x1f),
+            };
+            if (r >> 8) & 1 == 0 {
+                let predicted = q.due(now);
+                let mut n = 0;
+                q.advance(now, |_| n += 1);
+                assert!(predicted || n == 0, "step {id}: {n} withdrawn at {now} without due");
+                withdrawals += n;
+                quiet += usize::from(!predicted);
+            } else {
+                insert(&mut q, now, now + ((r >> 20) & 0x1ff), id);
+            }
+        }
+        assert!(withdrawals > 1_000 && quiet > 1_000, "both cases exercised ({withdrawals}, {quiet})");
     }
 
     #[test]

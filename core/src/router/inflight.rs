@@ -58,17 +58,44 @@ impl InflightTable {
             let map = &self.map;
             self.order.retain(|(serial, id)| map.get(id).is_some_and(|f| f.serial == *serial));
         }
+        self.trim_front();
     }
 
     pub fn remove(&mut self, id: &str) -> Option<Inflight> {
-        self.map.remove(id)
+        let f = self.map.remove(id);
+        self.trim_front();
+        f
+    }
+
+    /// Drop stale entries (completed or replaced requests) from the front of the order queue,
+    /// so that its front is always the oldest live request (amortized O(1): each entry is
+    /// dropped once).
+    fn trim_front(&mut self) {
+        while let Some((serial, id)) = self.order.front() {
+            if self.map.get(id).is_some_and(|f| f.serial == *serial) {
+                break;
+            }
+            self.order.pop_front();
+        }
+    }
+
+    /// When the oldest request in flight started (the first one expiry would look at).
+    pub fn oldest_started(&self) -> Option<u64> {
+        let (serial, id) = self.order.front()?;
+        match self.map.get(id) {
+            Some(f) if f.serial == *serial => Some(f.started_ms),
+            // Unreachable (the front is kept live); report it as due so expiry cleans up.
+            _ => Some(0),
+        }
     }
 
     /// Remove and return every request whose id satisfies `take` (a full scan: for rare events
     /// such as a replica's restart).
     pub fn drain_where(&mut self, take: impl Fn(&str) -> bool) -> Vec<Inflight> {
         let ids: Vec<Arc<str>> = self.map.keys().filter(|id| take(id)).cloned().collect();
-        ids.iter().filter_map(|id| self.map.remove(id)).collect()
+        let out = ids.iter().filter_map(|id| self.map.remove(id)).collect();
+        self.trim_front();
+        out
     }
 
     /// Remove and return the oldest request for which `take(request)` holds (it stops at the

@@ -22,7 +22,8 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use arc_swap::ArcSwap;
 
@@ -39,17 +40,33 @@ use crate::flow::{Admission, FlowStats, Release, SaturationReport, Ticket};
 use crate::precise::events::EventBatch;
 use crate::precise::ApplyOutcome;
 use crate::request::RouteRequest;
-use route::{prepare_keys, KeyBufs};
+use route::{prepare_keys, DecideScratch, KeyBufs};
 
 /// The router. `Send + Sync`: share it behind an `Arc` and call it from any thread.
 ///
-/// A [`RouterCore`] behind one mutex, plus the policy in an [`ArcSwap`] cell: every decision
-/// loads the policy once, so a decision is made entirely under one policy version, and
+/// A [`RouterCore`] behind a readers-writer lock, plus the policy in an [`ArcSwap`] cell: every
+/// decision loads the policy once, so a decision is made entirely under one policy version, and
 /// [`Router::reload`] swaps it atomically. Request parsing, block hashing and tokenization happen
-/// outside the lock, into per-thread buffers; the decision itself runs under it.
+/// outside the lock, into per-thread buffers. The decision then runs in two phases: the read
+/// phase (both index matches, every endpoint's score, the picks, the mode) under the shared
+/// lock, in parallel across threads, into per-thread scratch; the write phase (request id,
+/// in-flight counters, assumed residency, speculation, session, counters) under the exclusive
+/// lock. State another thread changed in between is read as it was when the read phase ran (as
+/// if that change had come a moment later); a change of endpoints, health or policy in between
+/// makes the write phase decide again. One thread alone decides exactly as [`RouterCore`] does.
+///
+/// Event application ([`Router::apply_batch`], [`Router::apply_events`]) gives way to routing:
+/// before it takes the exclusive lock it waits while decisions are under way (for at most
+/// 8 of them to finish), so a stream of events applied at full rate fills the gaps
+/// between decisions instead of holding them up. Events are decoded outside the lock.
 pub struct Router {
     policy: ArcSwap<ActivePolicy>,
-    core: Mutex<RouterCore>,
+    core: RwLock<RouterCore>,
+    /// Decisions and completions under way (waiting for the lock or holding it; see
+    /// `yield_to_decisions`).
+    deciding: AtomicUsize,
+    /// Decisions and completions finished (bounds how long event application gives way).
+    decided: AtomicU64,
     /// Turns text and chat prompts into the engine's token ids for the precise index.
     #[cfg(feature = "tokenizer")]
     tokenizer: arc_swap::ArcSwapOption<crate::tokenize::Tokenizer>,
@@ -67,16 +84,40 @@ impl Default for Router {
     }
 }
 
+/// A thread's decision buffers.
+#[derive(Default)]
+struct ThreadBufs {
+    /// The request's keys (computed before any lock is taken).
+    keys: KeyBufs,
+    /// The read phase's matches, slots and candidates.
+    decide: DecideScratch,
+}
+
+/// The most decisions (and completions) event application waits for before it takes the lock
+/// regardless: events are never held back longer than this many decisions.
+const EVENT_DEFER_DECISIONS: u64 = 8;
+
+/// A decision under way (see [`Router::deciding`]).
+struct Deciding<'a>(&'a Router);
+
+impl Drop for Deciding<'_> {
+    fn drop(&mut self) {
+        self.0.deciding.fetch_sub(1, Ordering::Release);
+        self.0.decided.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 std::thread_local! {
-    /// Per-thread key buffers (keys are computed before the lock is taken).
-    static KEYS: std::cell::Cell<KeyBufs> = std::cell::Cell::new(KeyBufs::default());
+    static BUFS: std::cell::Cell<ThreadBufs> = std::cell::Cell::new(ThreadBufs::default());
 }
 
 impl From<RouterCore> for Router {
     fn from(core: RouterCore) -> Router {
         Router {
             policy: ArcSwap::new(core.policy().clone()),
-            core: Mutex::new(core),
+            core: RwLock::new(core),
+            deciding: AtomicUsize::new(0),
+            decided: AtomicU64::new(0),
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
         }
@@ -94,10 +135,37 @@ impl Router {
         Policy::from_json(text).map(Router::new)
     }
 
-    fn lock(&self) -> MutexGuard<'_, RouterCore> {
+    fn lock(&self) -> RwLockWriteGuard<'_, RouterCore> {
         // Nothing in the core panics while holding the lock; should a bug ever do so, the state
         // is still structurally valid, so keep serving rather than poison every later call.
-        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+        self.core.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, RouterCore> {
+        self.core.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Count a decision (or completion) under way until the guard drops.
+    fn deciding(&self) -> Deciding<'_> {
+        self.deciding.fetch_add(1, Ordering::Acquire);
+        Deciding(self)
+    }
+
+    /// Event application's turn: wait while decisions are under way, for at most
+    /// `EVENT_DEFER_DECISIONS` of them to finish.
+    fn yield_to_decisions(&self) {
+        let start = self.decided.load(Ordering::Relaxed);
+        let mut spins = 0u32;
+        while self.deciding.load(Ordering::Acquire) > 0
+            && self.decided.load(Ordering::Relaxed).wrapping_sub(start) < EVENT_DEFER_DECISIONS
+        {
+            if spins < 64 {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 
     /// Run `f` on the core under the lock (for several operations that must see one state).
@@ -182,7 +250,7 @@ impl Router {
 
     /// Every endpoint, in id order.
     pub fn endpoints(&self) -> Vec<EndpointInfo> {
-        self.lock().endpoints()
+        self.read().endpoints()
     }
 
     /// Where to send a request the router could not route (fail-open), or `None` when no
@@ -194,16 +262,17 @@ impl Router {
     /// reported queue, then id order) among healthy decode-capable endpoints, else among healthy
     /// endpoints, else among all. Nothing is recorded: the request is not tracked in flight.
     pub fn fail_open_endpoint(&self) -> Option<Arc<str>> {
-        self.lock().fail_open_endpoint()
+        self.read().fail_open_endpoint()
     }
 
     /// A snapshot of sizes and counters.
     pub fn stats(&self) -> RouterStats {
-        self.lock().stats()
+        self.read().stats()
     }
 
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
+        let _deciding = self.deciding();
         self.lock().complete(request_id)
     }
 
@@ -274,7 +343,7 @@ impl Router {
 
     /// Replication counters, when enabled.
     pub fn replica_stats(&self) -> Option<crate::ReplicaStats> {
-        self.lock().replica_stats()
+        self.read().replica_stats()
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine (msgpack, vLLM or SGLang) and
@@ -300,6 +369,7 @@ impl Router {
         seq: Option<u64>,
         now_ms: u64,
     ) -> Result<ApplyOutcome, StateError> {
+        self.yield_to_decisions();
         self.lock().apply_batch(endpoint, batch, seq, now_ms)
     }
 
@@ -326,7 +396,7 @@ impl Router {
     /// `kvroute_event_lag_seconds` compares publisher timestamps with `now_ms`, so it is
     /// meaningful when the router's clock is UNIX time (the bindings' default).
     pub fn metrics_text(&self, now_ms: u64) -> String {
-        self.lock().metrics_text(now_ms)
+        self.read().metrics_text(now_ms)
     }
 
     /// Give up on `endpoint`'s gapped event stream (replay unavailable or too old): its precise
@@ -389,17 +459,17 @@ impl Router {
 
     /// When to tick next if nothing else happens (see [`RouterCore::next_flow_deadline`]).
     pub fn next_flow_deadline(&self) -> Option<u64> {
-        self.lock().next_flow_deadline()
+        self.read().next_flow_deadline()
     }
 
     /// Flow control's queues and counters.
     pub fn flow_stats(&self) -> FlowStats {
-        self.lock().flow_stats()
+        self.read().flow_stats()
     }
 
     /// The pool's saturation as flow control measures it (see [`RouterCore::flow_saturation`]).
     pub fn flow_saturation(&self, now_ms: u64) -> SaturationReport {
-        self.lock().flow_saturation(now_ms)
+        self.read().flow_saturation(now_ms)
     }
 
     /// Parse an HTTP request (body + headers) and route it, all under one policy version.
@@ -432,7 +502,7 @@ impl Router {
     }
 
     fn route_with(&self, active: &ActivePolicy, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
-        KEYS.with(|cell| {
+        BUFS.with(|cell| {
             let mut bufs = cell.take();
             #[cfg(feature = "tokenizer")]
             let tok = self.tokenizer.load_full();
@@ -441,12 +511,36 @@ impl Router {
                 #[cfg(feature = "tokenizer")]
                 tok.as_deref(),
                 req,
-                &mut bufs,
+                &mut bufs.keys,
                 now_ms,
             );
-            let out = self.lock().decide(active, req, &bufs, now_ms);
+            let out = self.decide(active, req, &bufs.keys, &mut bufs.decide, now_ms);
             cell.replace(bufs);
             out
         })
+    }
+
+    /// The decision: the read phase under the shared lock, the write phase under the exclusive
+    /// one. When time has made something due (a request in flight to expire, speculation to
+    /// withdraw), the whole decision runs under the exclusive lock instead, as in
+    /// [`RouterCore::route`].
+    fn decide(
+        &self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        s: &mut DecideScratch,
+        now_ms: u64,
+    ) -> Result<Decision, RouteError> {
+        let _deciding = self.deciding();
+        let plan = {
+            let core = self.read();
+            (!core.maintenance_due(active, now_ms)).then(|| core.plan(active, req, keys, now_ms, s))
+        };
+        let mut core = self.lock();
+        match plan {
+            Some(plan) => core.commit(active, req, keys, plan, now_ms, s),
+            None => core.decide_with(active, req, keys, now_ms, s),
+        }
     }
 }

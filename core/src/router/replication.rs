@@ -97,6 +97,7 @@ impl RouterCore {
     /// the replica id and epoch stay the same).
     pub fn enable_replication(&mut self, cfg: ReplicaConfig) -> Result<(), ReplicaError> {
         cfg.validate()?;
+        self.bump_epoch();
         match &mut self.replica {
             Some(r) if r.cfg.replica_id == cfg.replica_id && r.cfg.epoch == cfg.epoch && r.cfg.fleet == cfg.fleet => {
                 r.cfg = cfg;
@@ -113,6 +114,7 @@ impl RouterCore {
 
     /// Stop replicating: nothing more is queued; what waits is dropped.
     pub fn disable_replication(&mut self) {
+        self.bump_epoch();
         self.replica = None;
     }
 

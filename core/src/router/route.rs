@@ -27,7 +27,7 @@ use crate::decision::{self, Decision, Judgment, Mode, ModeInputs, Outcome, Rule,
 use crate::effect::RoutingEffect;
 use crate::endpoints::Role;
 use crate::error::RouteError;
-use crate::index::MatchWeights;
+use crate::index::{MatchScratch, MatchWeights, PrefixMatch};
 use crate::request::RouteRequest;
 use crate::score::{self, EndpointScore, FeatureInputs};
 
@@ -114,6 +114,48 @@ fn tokenize_into(
     }
 }
 
+/// A decision's scratch buffers (index matches, slots, candidates). [`RouterCore`] keeps one for
+/// its own decisions; [`Router`](crate::Router) keeps one per thread, so the read phase
+/// ([`RouterCore::plan`]) needs only shared access to the core.
+#[derive(Debug, Default)]
+pub(crate) struct DecideScratch {
+    matched: PrefixMatch,
+    pmatched: PrefixMatch,
+    scratch: MatchScratch,
+    /// `slots[i]` is the slot of the roster's `i`-th endpoint.
+    slots: Vec<u16>,
+    cands: Vec<usize>,
+}
+
+/// The read phase's result: everything the decision reads from the state, for the write phase
+/// ([`RouterCore::commit`]) to apply. Made under [`RouterCore::epoch`]; a plan from another epoch
+/// (endpoints added, removed or re-roled, health, policy, replication or effects changed in
+/// between) is made again by the write phase.
+pub(crate) struct Plan {
+    epoch: u64,
+    f: Features,
+    outcome: Planned,
+}
+
+impl Plan {
+    /// The roster index of the decode endpoint planned for, if the request is routed (tests).
+    #[cfg(test)]
+    pub(super) fn target(&self) -> Option<usize> {
+        match &self.outcome {
+            Planned::Route(p, _) => Some(p.d),
+            _ => None,
+        }
+    }
+}
+
+enum Planned {
+    /// No decode-capable candidate.
+    NoEndpoint,
+    /// Admission refuses the request (flow control off).
+    Shed(Pick, Shed),
+    Route(Pick, ModeChoice),
+}
+
 /// What the features phase found.
 struct Features {
     input_tokens: u64,
@@ -125,7 +167,7 @@ struct Features {
     approx_valid: bool,
     precise_valid: bool,
     roster: Arc<[Arc<str>]>,
-    /// `scores[i]` belongs to `roster[i]`; `self.slots_buf[i]` is its slot.
+    /// `scores[i]` belongs to `roster[i]`; `DecideScratch::slots[i]` is its slot.
     scores: Vec<EndpointScore>,
     /// Mean saturation of the healthy decode-capable endpoints.
     saturation: f64,
@@ -210,24 +252,118 @@ impl RouterCore {
         keys: &KeyBufs,
         now_ms: u64,
     ) -> Result<Decision, RouteError> {
+        let mut s = std::mem::take(&mut self.decide_buf);
+        let out = self.decide_with(active, req, keys, now_ms, &mut s);
+        self.decide_buf = s;
+        out
+    }
+
+    /// [`RouterCore::decide`] with the caller's scratch: expiry, then the read phase and the
+    /// write phase back to back.
+    pub(crate) fn decide_with(
+        &mut self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        now_ms: u64,
+        s: &mut DecideScratch,
+    ) -> Result<Decision, RouteError> {
+        self.maintain(active, now_ms);
+        let plan = self.plan(active, req, keys, now_ms, s);
+        self.commit(active, req, keys, plan, now_ms, s)
+    }
+
+    /// The state changes that come due with time before a decision at `now_ms` reads the state:
+    /// requests in flight past the timeout are dropped, speculation past its deadline withdrawn.
+    pub(crate) fn maintain(&mut self, active: &ActivePolicy, now_ms: u64) {
+        self.last_now_ms = now_ms;
+        self.expire_inflight(now_ms, active.policy.config().limits.inflight_timeout_ms);
+        self.kv.expire(now_ms);
+    }
+
+    /// Whether [`RouterCore::maintain`] at `now_ms` would change what a decision reads (a request
+    /// in flight to expire, speculation to withdraw). When it would not, the read phase can run
+    /// without it (under a shared lock) and the write phase maintains.
+    pub(crate) fn maintenance_due(&self, active: &ActivePolicy, now_ms: u64) -> bool {
+        let timeout = active.policy.config().limits.inflight_timeout_ms;
+        self.inflight.oldest_started().is_some_and(|t| now_ms.saturating_sub(t) > timeout) || self.kv.expiry_due(now_ms)
+    }
+
+    /// The state's epoch: bumped by every change after which a [`Plan`] made before cannot be
+    /// applied as it is (see [`Plan`]).
+    pub(crate) fn bump_epoch(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+    }
+
+    /// The read phase (phases 2, 3 and 5, and the admission verdict): reads the state, changes
+    /// nothing but `s`. Expects [`RouterCore::maintain`] at `now_ms` done (or not due).
+    pub(crate) fn plan(
+        &self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        now_ms: u64,
+        s: &mut DecideScratch,
+    ) -> Plan {
+        let f = self.features(active, req, keys, now_ms, s);
+        let outcome = match self.pick(active, req, keys, &f, s) {
+            None => Planned::NoEndpoint,
+            Some(pick) => {
+                let cfg = active.policy.config();
+                let shed =
+                    if cfg.flow_control.enabled { None } else { admission::admit(cfg, f.saturation, req.priority) };
+                match shed {
+                    Some(shed) => Planned::Shed(pick, shed),
+                    None => {
+                        let m = self.mode(active, keys, &f, &pick, s);
+                        Planned::Route(pick, m)
+                    }
+                }
+            }
+        };
+        Plan { epoch: self.epoch, f, outcome }
+    }
+
+    /// The write phase (phases 6 and 7 and the counters): applies `plan` (made again first if
+    /// the state's epoch moved since). `s` is the scratch the plan was made with.
+    pub(crate) fn commit(
+        &mut self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        plan: Plan,
+        now_ms: u64,
+        s: &mut DecideScratch,
+    ) -> Result<Decision, RouteError> {
+        self.maintain(active, now_ms);
+        let plan = if plan.epoch == self.epoch && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster()) {
+            plan
+        } else {
+            self.plan(active, req, keys, now_ms, s)
+        };
         if keys.tokenize_failed {
             self.counters.tokenize_errors += 1;
         }
-        let f = self.features(active, req, keys, now_ms);
-        let Some(pick) = self.pick(active, req, keys, &f) else {
-            self.counters.route_errors += 1;
-            return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
+        self.draws = self.draws.wrapping_add(1);
+        let Plan { f, outcome, .. } = plan;
+        let (pick, m) = match outcome {
+            Planned::NoEndpoint => {
+                self.counters.route_errors += 1;
+                return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
+            }
+            Planned::Shed(pick, shed) => {
+                let request_id = self.ids.assign(&self.inflight, req);
+                return Ok(self.shed(active, request_id, f, pick, shed));
+            }
+            Planned::Route(pick, m) => (pick, m),
         };
         let request_id = self.ids.assign(&self.inflight, req);
         if active.policy.config().flow_control.enabled {
             // Flow control owns shedding (the request went through `admit`); one request it
             // released is now routed.
             self.flow.routed();
-        } else if let Some(shed) = admission::admit(active.policy.config(), f.saturation, req.priority) {
-            return Ok(self.shed(active, request_id, f, pick, shed));
         }
-        let m = self.mode(active, keys, &f, &pick);
-        let booked = self.book(active, keys, &f, pick.d, &m, &request_id, now_ms);
+        let booked = self.book(active, keys, &f, pick.d, &m, &request_id, now_ms, s);
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
         if let Some(r) = self.replica.as_mut().filter(|r| r.cfg.publish) {
             if let Some(e) = &d.effect {
@@ -241,27 +377,31 @@ impl RouterCore {
     }
 
     /// Phase 2: expiry, index matches, session, and every endpoint's score breakdown.
-    fn features(&mut self, active: &ActivePolicy, req: &RouteRequest, bufs: &KeyBufs, now_ms: u64) -> Features {
+    fn features(
+        &self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        bufs: &KeyBufs,
+        now_ms: u64,
+        s: &mut DecideScratch,
+    ) -> Features {
         let cfg = active.policy.config();
         let keys = &bufs.approx;
         let input_tokens = bufs.exact_input_tokens.unwrap_or_else(|| req.input_tokens(cfg.index.bytes_per_token));
-        self.last_now_ms = now_ms;
-        self.expire_inflight(now_ms, cfg.limits.inflight_timeout_ms);
-        self.kv.expire(now_ms);
         // A decision that began under a policy whose hashing differs from an index's neither
         // reads nor writes that index (see `reload`).
         let approx_valid = active.reads_approx() && self.index.fingerprint() == active.fingerprint;
         let precise_valid = bufs.has_precise && self.kv.fingerprint() == active.precise_fingerprint;
         let weights = MatchWeights::new(&cfg.index.tier_weights);
         if approx_valid {
-            self.index.match_blocks(keys, &weights, &mut self.matched, &mut self.scratch);
+            self.index.match_blocks(keys, &weights, &mut s.matched, &mut s.scratch);
         } else {
-            self.matched.clear();
+            s.matched.clear();
         }
         if precise_valid {
-            self.kv.match_blocks(&bufs.precise, &weights, &mut self.pmatched, &mut self.scratch);
+            self.kv.match_blocks(&bufs.precise, &weights, &mut s.pmatched, &mut s.scratch);
         } else {
-            self.pmatched.clear();
+            s.pmatched.clear();
         }
         let session_key = session_key(req);
         let session_ref = session_key.and_then(|k| self.sessions.peek(&k).copied()).filter(|r| self.live_ref(*r));
@@ -271,7 +411,7 @@ impl RouterCore {
             (per_block(keys.hit_blocks()), per_block(bufs.precise.hit_blocks()));
         let roster = self.endpoints.roster().clone();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
-        let mut slots = std::mem::take(&mut self.slots_buf);
+        let mut slots = std::mem::take(&mut s.slots);
         slots.clear();
         let (mut saturation_sum, mut pool_size) = (0.0, 0u32);
         for &slot in self.endpoints.order() {
@@ -291,9 +431,9 @@ impl RouterCore {
                 IndexMode::Hybrid => precise_valid && self.kv.healthy(i, now_ms),
             };
             let (m, hit_per_block, block_tokens) = if precise {
-                (&self.pmatched, precise_per_block, active.precise_keys.block_tokens())
+                (&s.pmatched, precise_per_block, active.precise_keys.block_tokens())
             } else {
-                (&self.matched, approx_per_block, cfg.index.block_tokens)
+                (&s.matched, approx_per_block, cfg.index.block_tokens)
             };
             let matched_blocks = m.blocks.get(i).copied().unwrap_or(0);
             let inputs = FeatureInputs {
@@ -312,7 +452,7 @@ impl RouterCore {
                 pool_size += 1;
             }
         }
-        self.slots_buf = slots;
+        s.slots = slots;
         let saturation = if pool_size == 0 { 0.0 } else { saturation_sum / f64::from(pool_size) };
         let output = req.effective_max_tokens().unwrap_or(cfg.flow_control.attained_service.unbounded_output_tokens);
         let tokens = input_tokens.saturating_add(u64::from(output));
@@ -321,22 +461,34 @@ impl RouterCore {
 
     /// The picker's choice among `cands` (roster indexes); `salt` separates the decode and
     /// prefill picks' tie-breaks.
-    fn pick_among(&self, active: &ActivePolicy, f: &Features, cands: &[usize], anchor: u64) -> Option<usize> {
-        let slots = &self.slots_buf;
+    fn pick_among(
+        &self,
+        active: &ActivePolicy,
+        f: &Features,
+        slots: &[u16],
+        cands: &[usize],
+        anchor: u64,
+    ) -> Option<usize> {
         let endpoints = &self.endpoints;
         let last_assigned = |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.last_assigned_ms);
         let picker = &active.policy.config().scoring.picker;
-        score::pick(picker, &f.roster, &f.scores, cands, anchor, self.draws, last_assigned)
+        // The write phase counts this draw (`commit`).
+        let draws = self.draws.wrapping_add(1);
+        score::pick(picker, &f.roster, &f.scores, cands, anchor, draws, last_assigned)
     }
 
     /// Phase 3: filters (relaxed when they would leave no candidate) and the decode pick, with
     /// the judgment of the request on the picked endpoint.
-    fn pick(&mut self, active: &ActivePolicy, req: &RouteRequest, keys: &KeyBufs, f: &Features) -> Option<Pick> {
-        let mut cands = std::mem::take(&mut self.cands_buf);
-        let relaxed = score::candidates(&f.scores, Role::decodes, &mut cands);
-        self.draws = self.draws.wrapping_add(1);
-        let d = self.pick_among(active, f, &cands, keys.approx.anchor);
-        self.cands_buf = cands;
+    fn pick(
+        &self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        f: &Features,
+        s: &mut DecideScratch,
+    ) -> Option<Pick> {
+        let relaxed = score::candidates(&f.scores, Role::decodes, &mut s.cands);
+        let d = self.pick_among(active, f, &s.slots, &s.cands, keys.approx.anchor);
         let d = d?;
         let modes = &active.policy.config().modes;
         let judgment =
@@ -345,14 +497,19 @@ impl RouterCore {
     }
 
     /// Phase 5: the prefill pick and the mode rules.
-    fn mode(&mut self, active: &ActivePolicy, keys: &KeyBufs, f: &Features, pick: &Pick) -> ModeChoice {
-        let mut cands = std::mem::take(&mut self.cands_buf);
-        let relaxed_p = score::candidates(&f.scores, |r| r == Role::Prefill, &mut cands);
-        let prefill = self.pick_among(active, f, &cands, keys.approx.anchor ^ 0x5046);
-        self.cands_buf = cands;
+    fn mode(
+        &self,
+        active: &ActivePolicy,
+        keys: &KeyBufs,
+        f: &Features,
+        pick: &Pick,
+        s: &mut DecideScratch,
+    ) -> ModeChoice {
+        let relaxed_p = score::candidates(&f.scores, |r| r == Role::Prefill, &mut s.cands);
+        let prefill = self.pick_among(active, f, &s.slots, &s.cands, keys.approx.anchor ^ 0x5046);
         let relaxed = pick.relaxed | (relaxed_p && prefill.is_some());
         let d = &f.scores[pick.d];
-        let d_ep = self.slots_buf.get(pick.d).and_then(|&s| self.endpoints.get(s));
+        let d_ep = s.slots.get(pick.d).and_then(|&slot| self.endpoints.get(slot));
         let inputs = ModeInputs {
             input_tokens: f.input_tokens,
             judgment: pick.judgment,
@@ -378,10 +535,11 @@ impl RouterCore {
         m: &ModeChoice,
         request_id: &str,
         now_ms: u64,
+        s: &DecideScratch,
     ) -> Booked {
         let cfg = active.policy.config();
-        let d_slot = self.slots_buf[d];
-        let p_slot = m.prefill.map(|p| self.slots_buf[p]);
+        let d_slot = s.slots[d];
+        let p_slot = m.prefill.map(|p| s.slots[p]);
         let target = self.track(d_slot, now_ms, f.tokens);
         let prefill_ref: Option<SlotRef> = p_slot.map(|p| self.track(p, now_ms, f.tokens));
         if f.approx_valid {
@@ -399,7 +557,7 @@ impl RouterCore {
             for (i, r) in std::iter::once(target).chain(prefill_ref).enumerate() {
                 // Blocks the endpoint already holds in a tier need no speculation: only the
                 // rest of a single-sequence prompt is speculated.
-                let held = if single { self.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
+                let held = if single { s.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
                 precise_skip[i] = held;
                 self.kv.speculate_from(&keys.precise.keys, held as usize, r.slot as usize, expires_ms, now_ms);
             }

@@ -11,12 +11,12 @@ use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 use super::inflight::{Inflight, InflightTable, RequestIds, SlotRef};
 use super::policy::ActivePolicy;
-use super::route::KeyBufs;
+use super::route::{DecideScratch, KeyBufs};
 use crate::config::Policy;
 use crate::endpoints::{validate_endpoint_id, EndpointSpec, EndpointState, EndpointTable, MetricsSnapshot, Role};
 use crate::error::{ConfigError, EventIngestError, StateError};
 use crate::flow::{FlowController, FlowStats};
-use crate::index::{ApproxIndex, IndexStats, MatchScratch, PrefixMatch};
+use crate::index::{ApproxIndex, IndexStats};
 use crate::precise::events::EventBatch;
 use crate::precise::{ApplyOutcome, KvIndex, PreciseStats};
 
@@ -95,7 +95,8 @@ pub struct EndpointInfo {
 /// Single-threaded and synchronous: every method takes `&mut self` (or `&self`), time is a
 /// parameter, and it owns its scratch buffers. Hold one directly where calls are already
 /// serialized (the Envoy filter: one per VM), or share a [`Router`](crate::Router), which wraps
-/// one behind a mutex with the policy in a lock-free cell and hashes requests outside the lock.
+/// one behind a readers-writer lock with the policy in a lock-free cell, hashes requests outside
+/// the lock and runs each decision's read phase under the shared lock.
 pub struct RouterCore {
     pub(super) active: Arc<ActivePolicy>,
     pub(super) endpoints: EndpointTable,
@@ -115,12 +116,12 @@ pub struct RouterCore {
     pub(super) flow: FlowController,
     #[cfg(feature = "tokenizer")]
     pub(super) tokenizer: Option<Arc<crate::tokenize::Tokenizer>>,
+    /// Bumped by every change a decision's read phase cannot have seen safely (see
+    /// `route::Plan`): endpoints added, removed or re-roled, health, policy, replication,
+    /// effects recording.
+    pub(super) epoch: u64,
     // Scratch buffers of the decision (kept between calls: no allocation per decision).
-    pub(super) matched: PrefixMatch,
-    pub(super) pmatched: PrefixMatch,
-    pub(super) scratch: MatchScratch,
-    pub(super) slots_buf: Vec<u16>,
-    pub(super) cands_buf: Vec<usize>,
+    pub(super) decide_buf: DecideScratch,
     pub(super) keys_buf: KeyBufs,
 }
 
@@ -168,11 +169,8 @@ impl RouterCore {
             flow: FlowController::new(cfg),
             #[cfg(feature = "tokenizer")]
             tokenizer: None,
-            matched: PrefixMatch::default(),
-            pmatched: PrefixMatch::default(),
-            scratch: MatchScratch::default(),
-            slots_buf: Vec::new(),
-            cands_buf: Vec::new(),
+            epoch: 0,
+            decide_buf: DecideScratch::default(),
             keys_buf: KeyBufs::default(),
             active,
         }
@@ -198,6 +196,7 @@ impl RouterCore {
     /// Swap in a new (already validated) policy and return its version (see
     /// [`Router::reload`](crate::Router::reload) for what happens to state).
     pub fn reload(&mut self, policy: Policy) -> u64 {
+        self.bump_epoch();
         let new = Arc::new(ActivePolicy::new(policy, self.active.version + 1));
         if new.fingerprint != self.index.fingerprint() {
             self.index.reset(new.fingerprint);
@@ -238,6 +237,7 @@ impl RouterCore {
     /// and counters are kept).
     pub fn upsert_endpoint(&mut self, spec: EndpointSpec) -> Result<(), StateError> {
         validate_endpoint_id(&spec.id)?;
+        self.bump_epoch();
         if let Some(slot) = self.endpoints.slot_of(&spec.id) {
             if let Some(ep) = self.endpoints.get_mut(slot) {
                 ep.role = spec.role;
@@ -259,6 +259,7 @@ impl RouterCore {
     /// by the sweeper) and requests still in flight there are forgotten.
     pub fn remove_endpoint(&mut self, id: &str) -> Result<(), StateError> {
         let slot = self.endpoints.remove(id).ok_or_else(|| unknown(id))?;
+        self.bump_epoch();
         self.index.retire(slot as usize);
         self.kv.retire(slot as usize);
         Ok(())
@@ -293,6 +294,7 @@ impl RouterCore {
         if let Some(ep) = self.endpoints.get_mut(slot) {
             ep.healthy = healthy;
         }
+        self.bump_epoch();
         Ok(())
     }
 
@@ -401,6 +403,7 @@ impl RouterCore {
     /// Attach a [`RoutingEffect`](crate::RoutingEffect) to every (non-shed) decision from now on
     /// (see [`Router::record_effects`](crate::Router::record_effects)).
     pub fn record_effects(&mut self, on: bool) {
+        self.bump_epoch();
         self.record_effects = on;
     }
 

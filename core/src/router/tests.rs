@@ -124,3 +124,57 @@ fn prefill_only_fleet_cannot_route() {
     assert!(matches!(r.route(&RouteRequest::text("m", "x"), 0), Err(RouteError::NoEndpoints { .. })));
     assert_eq!(r.stats().counters.route_errors, 1);
 }
+
+/// The two phases apart, as two threads interleave them: a plan made before a change of
+/// endpoints or health is made again by the write phase; one made before a metrics update is
+/// applied as it is (the update counts as arriving just after the decision).
+#[test]
+fn a_plan_from_before_an_epoch_change_is_made_again() {
+    let prompt = "y".repeat(256 * 40);
+    let req = RouteRequest::text("m", &prompt);
+    // Warm endpoint 1 with the prompt, then plan the same request (endpoint 1 wins on cache).
+    let mut core = RouterCore::default();
+    for id in ["10.0.0.1:8000", "10.0.0.2:8000"] {
+        core.upsert_endpoint(EndpointSpec::new(id, Role::Decode)).unwrap();
+    }
+    let d = core.route(&req, 0).unwrap();
+    let warm = d.endpoint().unwrap().to_owned();
+    let other = if warm == "10.0.0.1:8000" { "10.0.0.2:8000" } else { "10.0.0.1:8000" };
+    core.complete(&d.request_id).unwrap();
+    let active = core.policy().clone();
+    let mut keys = KeyBufs::default();
+    #[cfg(feature = "tokenizer")]
+    prepare_keys(&active, None, &req, &mut keys, 1);
+    #[cfg(not(feature = "tokenizer"))]
+    prepare_keys(&active, &req, &mut keys, 1);
+    let mut s = DecideScratch::default();
+    let inflight = |c: &RouterCore, id: &str| c.endpoints().iter().find(|e| *e.id == *id).map_or(0, |e| e.inflight);
+
+    // Health changes between the phases: the write phase plans again and avoids `warm`.
+    let plan = core.plan(&active, &req, &keys, 1, &mut s);
+    core.set_healthy(&warm, false).unwrap();
+    let d = core.commit(&active, &req, &keys, plan, 1, &mut s).unwrap();
+    assert_eq!(d.endpoint(), Some(other));
+    assert_eq!((inflight(&core, &warm), inflight(&core, other)), (0, 1));
+    core.complete(&d.request_id).unwrap();
+    core.set_healthy(&warm, true).unwrap();
+
+    // The endpoint planned for is removed between the phases: planned again, nothing is
+    // counted on the removed endpoint.
+    let plan = core.plan(&active, &req, &keys, 2, &mut s);
+    core.remove_endpoint(&warm).unwrap();
+    let d = core.commit(&active, &req, &keys, plan, 2, &mut s).unwrap();
+    assert_eq!(d.endpoint(), Some(other));
+    core.complete(&d.request_id).unwrap();
+    core.upsert_endpoint(EndpointSpec::new(warm.as_str(), Role::Decode)).unwrap();
+
+    // A metrics update between the phases does not move the epoch: the plan stands.
+    let plan = core.plan(&active, &req, &keys, 3, &mut s);
+    let planned = plan.target().expect("the request is routed");
+    let busy = MetricsSnapshot { waiting: 50, kv_usage: 0.79, updated_ms: 3, ..Default::default() };
+    let planned_id = core.endpoints.roster()[planned].to_string();
+    core.update_metrics(&planned_id, busy).unwrap();
+    let d = core.commit(&active, &req, &keys, plan, 3, &mut s).unwrap();
+    assert_eq!(d.endpoint(), Some(planned_id.as_str()));
+    assert_eq!(core.stats().inflight_requests, 1);
+}

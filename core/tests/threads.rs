@@ -1,0 +1,224 @@
+//! One `Router` shared by several threads: the decision's read phase runs under a shared lock,
+//! its write phase under the exclusive one. Alone, a `Router` decides exactly as a `RouterCore`
+//! (also when expiry comes due between decisions); shared, every decision is counted once and
+//! every in-flight counter returns to zero, with events, health changes and endpoint churn
+//! happening meanwhile. Speed is measured in `benches/benches/threads.rs`, never here.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+// The shared-router tests start threads (the core itself never does).
+#![allow(clippy::disallowed_methods)]
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use kvroute::{BlockStored, EndpointSpec, EventBatch, KvEvent, Medium, MetricsSnapshot, Policy, Role};
+use kvroute::{Router, RouterCore, StateError};
+
+const ENDPOINTS: usize = 6;
+/// Short in-flight timeout and speculation TTL, so expiry comes due during the sequences.
+const HYBRID: &str = r#"{"index":{"mode":"hybrid","speculative_ttl_ms":300},"limits":{"inflight_timeout_ms":900},
+    "metrics":{"staleness_ms":1000000000000}}"#;
+const APPROX: &str = r#"{"limits":{"inflight_timeout_ms":900},"metrics":{"staleness_ms":1000000000000}}"#;
+
+fn id(e: usize) -> String {
+    format!("10.0.0.{}:8000", e + 1)
+}
+
+fn metrics(e: usize) -> MetricsSnapshot {
+    MetricsSnapshot {
+        waiting: (e % 3) as u32,
+        running: 2,
+        kv_usage: 0.1 + 0.05 * e as f64,
+        updated_ms: 0,
+        ..Default::default()
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Token ids of request `i`: one of 4 shared 64-token prefixes, then its own tail.
+fn prompt_tokens(i: u64) -> Vec<u32> {
+    let prefix = i % 4;
+    let mut t: Vec<u32> = (0..64).map(|k| (splitmix(prefix * 1000 + k) % 50_000) as u32).collect();
+    let tail = 16 * (1 + i % 5);
+    t.extend((0..tail).map(|k| (splitmix(0xfeed ^ (i << 16) ^ k) % 50_000) as u32));
+    t
+}
+
+/// A completions body for request `i` (token ids; every third one has a session id header).
+fn body(i: u64) -> String {
+    serde_json::json!({"model": "m", "prompt": prompt_tokens(i), "max_tokens": 32}).to_string()
+}
+
+fn headers(i: u64) -> Vec<(&'static str, String)> {
+    if i % 3 == 0 {
+        vec![("x-session-id", format!("s{}", i % 7))]
+    } else {
+        Vec::new()
+    }
+}
+
+/// The engine storing request `i`'s prompt (16-token blocks).
+fn stored(i: u64) -> EventBatch {
+    let t = prompt_tokens(i);
+    let n = t.len() / 16;
+    let s = BlockStored {
+        block_hashes: (0..n as u64).map(|b| splitmix((i << 20) ^ b)).collect(),
+        parent_block_hash: None,
+        token_ids: t[..n * 16].to_vec(),
+        block_size: 16,
+        medium: Medium::Gpu,
+        ..Default::default()
+    };
+    EventBatch { ts: 1.0, events: vec![KvEvent::BlockStored(s)], data_parallel_rank: None }
+}
+
+fn setup_router(policy: &str) -> Router {
+    let r = Router::new(Policy::from_json(policy).unwrap());
+    for e in 0..ENDPOINTS {
+        r.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+        r.update_metrics(&id(e), metrics(e)).unwrap();
+    }
+    r
+}
+
+#[test]
+fn one_thread_router_decides_as_the_core() {
+    for policy in [HYBRID, APPROX] {
+        let router = setup_router(policy);
+        let mut core = RouterCore::new(Policy::from_json(policy).unwrap());
+        for e in 0..ENDPOINTS {
+            core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+            core.update_metrics(&id(e), metrics(e)).unwrap();
+        }
+        let mut held: Vec<(u64, String)> = Vec::new();
+        let mut expired = 0;
+        for i in 0..600u64 {
+            // Time moves 7 ms per request (speculation expires after 300 ms, requests left in
+            // flight after 900 ms); now and then it steps back a little.
+            let now = 1_000 + i * 7 - if i % 50 == 49 { 20 } else { 0 };
+            if i % 4 == 1 {
+                let b = stored(i / 2);
+                let e = id((i as usize / 4) % ENDPOINTS);
+                assert_eq!(
+                    router.apply_batch(&e, &b, None, now).unwrap(),
+                    core.apply_batch(&e, &b, None, now).unwrap()
+                );
+            }
+            let body = body(i);
+            let a = router.route_http(body.as_bytes(), headers(i), now).unwrap();
+            let b = core.route_http(body.as_bytes(), headers(i), now).unwrap();
+            assert_eq!(a, b, "decision {i}");
+            // Most requests complete a few decisions later; every tenth never does (it expires).
+            if i % 10 != 0 {
+                held.push((i, a.request_id.clone()));
+            }
+            while held.first().is_some_and(|(j, _)| j + 3 <= i) {
+                let (_, rid) = held.remove(0);
+                let (x, y) = (router.complete(&rid), core.complete(&rid));
+                assert_eq!(x, y);
+                expired += usize::from(x.is_err());
+            }
+        }
+        let (a, b) = (router.stats(), core.stats());
+        assert_eq!(a, b);
+        assert!(a.counters.inflight_expired > 0, "expiry came due during the sequence");
+        assert_eq!(expired, 0, "requests completed within the timeout were still in flight");
+        assert_eq!(router.endpoints(), core.endpoints());
+    }
+}
+
+/// Route + complete from `threads` threads, each keeping a few requests in flight.
+fn hammer(router: &Router, threads: u64, per_thread: u64, clock: &AtomicU64) -> Vec<String> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    let mut ids = Vec::new();
+                    let mut held = std::collections::VecDeque::new();
+                    for k in 0..per_thread {
+                        let i = t * per_thread + k;
+                        let now = clock.fetch_add(1, Ordering::Relaxed);
+                        let d = router.route_http(body(i).as_bytes(), headers(i), now).unwrap();
+                        ids.push(d.request_id.clone());
+                        held.push_back(d.request_id);
+                        if held.len() > 3 {
+                            router.complete(&held.pop_front().unwrap()).unwrap();
+                        }
+                    }
+                    for rid in held {
+                        router.complete(&rid).unwrap();
+                    }
+                    ids
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn assert_settled(router: &Router, decisions: u64) {
+    let st = router.stats();
+    assert_eq!(st.inflight_requests, 0);
+    assert_eq!(st.counters.routed, decisions);
+    assert_eq!(st.counters.decisions_by_rule.iter().sum::<u64>(), decisions);
+    assert_eq!(st.counters.inflight_expired, 0);
+    for e in router.endpoints() {
+        assert_eq!(e.inflight, 0, "{}", e.id);
+    }
+}
+
+#[test]
+fn shared_router_counts_every_decision_once() {
+    for policy in [HYBRID, APPROX] {
+        let router = setup_router(policy);
+        let clock = AtomicU64::new(1_000);
+        let ids = hammer(&router, 4, 300, &clock);
+        assert_eq!(ids.len(), 1200);
+        assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 1200, "request ids are unique");
+        assert_settled(&router, 1200);
+    }
+}
+
+#[test]
+fn shared_router_with_events_health_and_endpoint_churn() {
+    let router = setup_router(HYBRID);
+    let clock = AtomicU64::new(1_000);
+    let stop = AtomicBool::new(false);
+    let extra = "10.0.1.1:8000";
+    let applied = std::thread::scope(|s| {
+        let applier = s.spawn(|| {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let e = id((n as usize) % ENDPOINTS);
+                router.apply_batch(&e, &stored(n), None, clock.load(Ordering::Relaxed)).unwrap();
+                n += 1;
+            }
+            n
+        });
+        let churn = s.spawn(|| {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                router.upsert_endpoint(EndpointSpec::new(extra, Role::Decode)).unwrap();
+                router.update_metrics(extra, metrics(0)).unwrap();
+                router.set_healthy(&id(1), n % 2 == 0).unwrap();
+                std::thread::yield_now();
+                router.remove_endpoint(extra).unwrap();
+                n += 1;
+            }
+            router.set_healthy(&id(1), true).unwrap();
+        });
+        let ids = hammer(&router, 2, 400, &clock);
+        stop.store(true, Ordering::Relaxed);
+        churn.join().unwrap();
+        assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 800);
+        applier.join().unwrap()
+    });
+    assert_settled(&router, 800);
+    assert_eq!(router.stats().precise.batches, applied, "every batch applied once");
+    assert_eq!(router.complete("kvr-1"), Err(StateError::UnknownRequest { request_id: "kvr-1".into() }));
+}
