@@ -643,20 +643,28 @@ impl PrefixIndex {
         let mut positions = std::mem::take(&mut self.positions);
         positions.clear();
         let prefetch = self.store.buckets() >= PREFETCH_MIN_BUCKETS;
-        let mut last = None;
-        for (i, &key) in keys.iter().enumerate() {
+        let mut last: Option<usize> = None;
+        let mut i = 0;
+        while i < keys.len() {
+            if let Some(p) = last {
+                // The blocks already stored right after the last one: no probe.
+                let run = self.store.run_after(p, &keys[i..]);
+                positions.extend((p + 1..p + 1 + run).map(|q| q as u32));
+                i += run;
+                if i == keys.len() {
+                    break;
+                }
+            }
+            let key = keys[i];
             if prefetch {
                 if let Some(&ahead) = keys.get(i + PREFETCH) {
                     self.store.prefetch(ahead);
                 }
             }
-            let found = match last {
-                Some(p) => self.store.find_after(p, key),
-                None => self.store.find(key),
-            };
-            let pos = found.or_else(|| self.store.insert(key, EMPTY));
+            let pos = self.store.find(key).or_else(|| self.store.insert(key, EMPTY));
             positions.push(pos.map_or(NO_POS, |p| p as u32));
             last = pos;
+            i += 1;
         }
         // Then tail first, so a long request's head is never older than its tail.
         let mut stamp = self.slots[slot].gen & STAMP_MASK;

@@ -191,13 +191,31 @@ impl BlockStore {
 
     /// The position after `pos` when it holds `key` (a chain stored together), else the table's
     /// answer.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find_after(&self, pos: usize, key: u64) -> Option<usize> {
         let next = pos + 1;
         if next < self.keys.len() && self.keys[next] == key && self.heads[next] != 0 {
             return Some(next);
         }
+        self.find_cold(key)
+    }
+
+    #[inline(never)]
+    fn find_cold(&self, key: u64) -> Option<usize> {
         self.find(key)
+    }
+
+    /// How many of `keys` lie, live, in the positions right after `pos` (a chain stored
+    /// together): the leading run a caller can take without probing the table.
+    #[inline]
+    pub(crate) fn run_after(&self, pos: usize, keys: &[u64]) -> usize {
+        let from = (pos + 1).min(self.keys.len());
+        self.keys[from..]
+            .iter()
+            .zip(&self.heads[from..])
+            .zip(keys)
+            .take_while(|((&stored, &head), &key)| stored == key && head != 0)
+            .count()
     }
 
     /// Every position's key and head (free positions: head 0), for walks along the arena.
