@@ -10,6 +10,9 @@
 //! # Keys (all under the configured namespace `ns` and ring size `N`)
 //! - `ns/rN/head`: the next sequence number (u64 LE). A writer claims sequence `s` by a
 //!   compare-and-swap of `head` from `s` to `s + 1`, then stores its entry at `ns/rN/e/{s % N}`.
+//!   Several entries at once ([`SharedLog::append_all`]: completions deferred with
+//!   [`SharedLog::defer_complete`] and the next entry) take `s..s + k` with one swap to `s + k`,
+//!   then one slot write each (nothing changes for readers).
 //! - An entry starts with its own sequence number, so a reader tells a slot that still holds an
 //!   older lap (`stored < s`: written later, pending) from one already overwritten by a newer lap
 //!   (`stored > s`: the reader fell more than `N` entries behind: an overrun).
