@@ -320,6 +320,13 @@ pub struct SyncConfig {
     /// Tick period (ms): idle VMs apply the log this often. Default 100.
     #[serde(default = "default_tick")]
     pub tick_ms: u64,
+    /// Completions are not appended at once but with this VM's next append (a routing
+    /// decision's effects: one claim for all), at its next tick, or once 64 wait: one shared-data
+    /// read and compare-and-swap less per request; the other VMs see a completion up to one
+    /// `tick_ms` later (meanwhile they count the request in flight). Default false (appended
+    /// at once).
+    #[serde(default)]
+    pub batch_completions: bool,
 }
 
 fn default_namespace() -> String {
@@ -336,7 +343,12 @@ fn default_tick() -> u64 {
 
 impl Default for SyncConfig {
     fn default() -> Self {
-        SyncConfig { namespace: default_namespace(), ring_entries: default_ring(), tick_ms: default_tick() }
+        SyncConfig {
+            namespace: default_namespace(),
+            ring_entries: default_ring(),
+            tick_ms: default_tick(),
+            batch_completions: false,
+        }
     }
 }
 

@@ -94,6 +94,9 @@ struct Active {
     flow: FlowHold,
 }
 
+/// With `sync.batch_completions`, at most this many completions wait for the next append or tick.
+const MAX_DEFERRED_COMPLETIONS: usize = 64;
+
 /// A replica released here to be dispatched is remembered this long (longer than the core's
 /// one-second load grace: forgetting it later finds nothing and changes nothing).
 const REPLICA_RELEASED_KEEP_MS: u64 = 5_000;
@@ -424,6 +427,24 @@ impl Active {
             log(LogLevel::Warn, &format!("kvroute: appending to the shared log failed: {e}"));
         }
     }
+
+    /// Request `id` completed here: appended at once, or with `sync.batch_completions` deferred
+    /// to the next append or tick (or once [`MAX_DEFERRED_COMPLETIONS`] wait).
+    fn append_complete(&mut self, shared: &Shared, id: &str) {
+        if !self.cfg.filter.sync.batch_completions {
+            self.append(shared, &Entry::Complete(id));
+        } else if self.log.defer_complete(id) >= MAX_DEFERRED_COMPLETIONS {
+            self.flush_completions(shared);
+        }
+    }
+
+    /// Append the deferred completions (one claim).
+    fn flush_completions(&mut self, shared: &Shared) {
+        if let Err(e) = self.log.flush(&mut HostStore) {
+            shared.bump(Counter::SyncErrors);
+            log(LogLevel::Warn, &format!("kvroute: appending completions to the shared log failed: {e}"));
+        }
+    }
 }
 
 /// Apply one entry of another instance. `Ok(true)`: an event batch was judged differently here
@@ -590,6 +611,7 @@ impl Root {
                     for t in a.flow.drop_replicas() {
                         a.router.forget_replica(t);
                     }
+                    a.flush_completions(&self.shared);
                     a.log = SharedLog::new(&new.namespace, new.ring_entries, instance);
                     a.sync(&self.shared, now);
                 }
@@ -617,6 +639,7 @@ impl Root {
         let Ok(mut slot) = self.shared.active.try_borrow_mut() else { return };
         let Some(a) = slot.as_mut() else { return };
         a.sync(&self.shared, now);
+        a.flush_completions(&self.shared);
         a.router.expire_silent_replicas(now);
         a.flow.prune(now);
         if a.flow_opportunity(&self.shared, now, self.context_id) {
@@ -634,6 +657,7 @@ impl Root {
         let now = now_ms();
         let Ok(mut slot) = self.shared.active.try_borrow_mut() else { return };
         let Some(a) = slot.as_mut() else { return };
+        a.flush_completions(&self.shared);
         a.router.shutdown_queue();
         self.shared.shut_down.set(true);
         let held = a.flow.held.len();
@@ -1423,6 +1447,8 @@ impl Http {
             return Action::Pause;
         };
         a.sync(&self.shared, now);
+        // This VM's deferred completions go out with this export, not one later.
+        a.flush_completions(&self.shared);
         /// An exported entry, its request id qualified by the writing VM.
         enum Out {
             Effect(Vec<u8>),
@@ -1659,12 +1685,13 @@ impl Http {
         if let Some(id) = a.flow.routed.remove(&self.context_id) {
             self.request_id = Some(id);
         }
-        ensure_tick(&shared, a, now_ms());
+        let now = now_ms();
+        ensure_tick(&shared, a, now);
         let Some(id) = self.request_id.take() else { return };
         // Unknown: expired after the in-flight timeout, or the router was rebuilt.
         if a.router.complete(&id).is_ok() {
-            a.append(&shared, &Entry::Complete(&id));
-            if a.flow_opportunity(&shared, now_ms(), self.context_id) {
+            a.append_complete(&shared, &id);
+            if a.flow_opportunity(&shared, now, self.context_id) {
                 let _ = hostcalls::set_effective_context(self.context_id);
             }
         }

@@ -10,6 +10,9 @@
 //! # Keys (all under the configured namespace `ns` and ring size `N`)
 //! - `ns/rN/head`: the next sequence number (u64 LE). A writer claims sequence `s` by a
 //!   compare-and-swap of `head` from `s` to `s + 1`, then stores its entry at `ns/rN/e/{s % N}`.
+//!   Several entries at once ([`SharedLog::append_all`]: completions deferred with
+//!   [`SharedLog::defer_complete`] and the next entry) take `s..s + k` with one swap to `s + k`,
+//!   then one slot write each (nothing changes for readers).
 //! - An entry starts with its own sequence number, so a reader tells a slot that still holds an
 //!   older lap (`stored < s`: written later, pending) from one already overwritten by a newer lap
 //!   (`stored > s`: the reader fell more than `N` entries behind: an overrun).
@@ -494,6 +497,8 @@ pub struct SharedLog {
     head_hint: Option<(u64, u32)>,
     /// Reused for slot keys (`{prefix}e/{slot}`): no formatting or allocation per entry.
     key_buf: String,
+    /// Completions deferred to the next append or flush (their request ids).
+    deferred: Vec<String>,
     /// Counters.
     pub stats: SyncStats,
 }
@@ -512,6 +517,7 @@ impl SharedLog {
             pending_since: None,
             head_hint: None,
             key_buf: String::new(),
+            deferred: Vec::new(),
             stats: SyncStats::default(),
         }
     }
@@ -542,24 +548,85 @@ impl SharedLog {
         Ok((read_u64(v.as_deref()), cas))
     }
 
-    /// Append `entry`; returns its sequence number.
+    /// Append `entry`; returns its sequence number. Completions deferred with
+    /// [`SharedLog::defer_complete`] go first, in the same claim.
     pub fn append(&mut self, store: &mut impl SharedStore, entry: &Entry<'_>) -> Result<u64, StoreError> {
+        if self.deferred.is_empty() {
+            return self.append_all(store, std::slice::from_ref(entry));
+        }
+        let deferred = std::mem::take(&mut self.deferred);
+        let before = deferred.len() as u64;
+        let mut entries: Vec<Entry<'_>> = deferred.iter().map(|id| Entry::Complete(id)).collect();
+        entries.push(entry.clone());
+        let r = self.append_all(store, &entries);
+        drop(entries);
+        self.reuse_deferred(deferred);
+        Ok(r? + before)
+    }
+
+    /// Remember that request `id` completed, to be appended with this VM's next append, or by
+    /// [`SharedLog::flush`] (the filter flushes on every tick, so the other VMs see it within one
+    /// sync tick). Returns how many completions are deferred now.
+    pub fn defer_complete(&mut self, id: &str) -> usize {
+        self.deferred.push(id.to_owned());
+        self.deferred.len()
+    }
+
+    /// Completions deferred and not yet appended.
+    pub fn deferred(&self) -> usize {
+        self.deferred.len()
+    }
+
+    /// Append the deferred completions (one claim for all of them). Nothing to do: `Ok(None)`.
+    /// They are forgotten when the append fails (as an entry whose append failed is).
+    pub fn flush(&mut self, store: &mut impl SharedStore) -> Result<Option<u64>, StoreError> {
+        if self.deferred.is_empty() {
+            return Ok(None);
+        }
+        let deferred = std::mem::take(&mut self.deferred);
+        let entries: Vec<Entry<'_>> = deferred.iter().map(|id| Entry::Complete(id)).collect();
+        let r = self.append_all(store, &entries);
+        drop(entries);
+        self.reuse_deferred(deferred);
+        r.map(Some)
+    }
+
+    fn reuse_deferred(&mut self, mut v: Vec<String>) {
+        v.clear();
+        if self.deferred.is_empty() {
+            self.deferred = v;
+        }
+    }
+
+    /// Append `entries` under consecutive sequence numbers claimed by one compare-and-swap of
+    /// `head` (then one slot write each); returns the first one's sequence number.
+    pub fn append_all(&mut self, store: &mut impl SharedStore, entries: &[Entry<'_>]) -> Result<u64, StoreError> {
+        let k = entries.len() as u64;
+        if k == 0 {
+            // Nothing to claim: the sequence number the next entry would get.
+            return self.head(store).map(|(s, _)| s);
+        }
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (seq, cas) = match self.head_hint.take() {
                 Some((seq, cas)) => (seq, Some(cas)),
                 None => self.head(store)?,
             };
-            match store.set(&self.head_key, &(seq + 1).to_le_bytes(), cas) {
+            match store.set(&self.head_key, &(seq + k).to_le_bytes(), cas) {
                 Ok(()) => {
-                    let bytes = entry.encode(seq, self.instance);
-                    let key = self.slot_key(seq);
-                    let written = store.set(&key, &bytes, None);
-                    self.key_buf = key;
-                    written.inspect_err(|_| self.stats.errors += 1)?;
-                    self.stats.appended += 1;
-                    // Caught up to our own entry: no need to read it back.
+                    for (i, entry) in (0..k).zip(entries) {
+                        let s = seq + i;
+                        let bytes = entry.encode(s, self.instance);
+                        let key = self.slot_key(s);
+                        let written = store.set(&key, &bytes, None);
+                        self.key_buf = key;
+                        // The slots not written stay pending: the readers skip them after
+                        // PENDING_SKIP_MS and count them as lost.
+                        written.inspect_err(|_| self.stats.errors += 1)?;
+                        self.stats.appended += 1;
+                    }
+                    // Caught up to our own entries: no need to read them back.
                     if self.cursor == Some(seq) {
-                        self.cursor = Some(seq + 1);
+                        self.cursor = Some(seq + k);
                     }
                     return Ok(seq);
                 }
@@ -886,6 +953,63 @@ mod tests {
         let mut seen = Vec::new();
         c.poll(&mut mem, 0, |_, e| seen.push(format!("{e:?}"))).unwrap();
         assert_eq!(seen, ["Complete(\"first\")", "Complete(\"hinted\")", "Complete(\"b\")", "Complete(\"a\")"]);
+    }
+
+    /// Counts every call.
+    #[derive(Default)]
+    struct Calls(Mem, u32);
+
+    impl SharedStore for Calls {
+        fn get(&mut self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+            self.1 += 1;
+            self.0.get(key)
+        }
+        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.1 += 1;
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn deferred_completions_go_out_with_the_next_append_in_one_claim() {
+        let mut mem = Calls::default();
+        let mut a = SharedLog::new("ns", 16, 1);
+        let mut b = SharedLog::new("ns", 16, 2);
+        assert_eq!(a.flush(&mut mem).unwrap(), None);
+        assert_eq!(mem.1, 0, "nothing deferred: no call");
+        a.poll(&mut mem, 0, |_, _| {}).unwrap();
+        assert_eq!(a.append(&mut mem, &Entry::Effect(&[1])).unwrap(), 0);
+        assert_eq!(a.defer_complete("r0"), 1);
+        assert_eq!(a.defer_complete("r1"), 2);
+        let mut seen = Vec::new();
+        b.poll(&mut mem, 0, |_, e| seen.push(format!("{e:?}"))).unwrap();
+        assert_eq!(seen, ["Effect([1])"], "deferred: not visible yet");
+        a.poll(&mut mem, 0, |_, _| {}).unwrap();
+        let calls = mem.1;
+        assert_eq!(a.append(&mut mem, &Entry::Effect(&[2])).unwrap(), 3, "the effect after the completions");
+        assert_eq!(mem.1 - calls, 1 + 3, "one CAS of head, one write per entry");
+        assert_eq!(a.deferred(), 0);
+        a.defer_complete("r2");
+        assert_eq!(a.flush(&mut mem).unwrap(), Some(4));
+        assert_eq!(a.flush(&mut mem).unwrap(), None);
+        seen.clear();
+        b.poll(&mut mem, 0, |o, e| {
+            assert_eq!(o, 1);
+            seen.push(format!("{e:?}"));
+        })
+        .unwrap();
+        assert_eq!(seen, ["Complete(\"r0\")", "Complete(\"r1\")", "Effect([2])", "Complete(\"r2\")"]);
+        assert_eq!((a.stats.appended, a.cursor()), (5, Some(5)));
+        // A claim that loses the race retries with every entry.
+        let mut c = SharedLog::new("ns", 16, 3);
+        c.poll(&mut mem, 0, |_, _| {}).unwrap();
+        b.append(&mut mem, &Entry::Complete("b")).unwrap();
+        c.defer_complete("c0");
+        assert_eq!(c.append(&mut mem, &Entry::Complete("c1")).unwrap(), 7);
+        assert_eq!(c.stats.cas_conflicts, 1);
+        seen.clear();
+        a.poll(&mut mem, 0, |_, e| seen.push(format!("{e:?}"))).unwrap();
+        assert_eq!(seen, ["Complete(\"b\")", "Complete(\"c0\")", "Complete(\"c1\")"]);
     }
 
     #[test]

@@ -195,33 +195,38 @@ impl Plugin {
 /// The callbacks of a module, typed as ABI 0.2.1 has them (`None`: not exported).
 #[derive(Clone)]
 pub(crate) struct Exports {
-    pub(crate) on_context_create: Option<TypedFunc<(i32, i32), ()>>,
-    pub(crate) on_vm_start: Option<TypedFunc<(i32, i32), i32>>,
-    pub(crate) on_configure: Option<TypedFunc<(i32, i32), i32>>,
-    pub(crate) on_tick: Option<TypedFunc<i32, ()>>,
-    pub(crate) on_queue_ready: Option<TypedFunc<(i32, i32), ()>>,
-    pub(crate) on_request_headers: Option<TypedFunc<(i32, i32, i32), i32>>,
-    pub(crate) on_request_body: Option<TypedFunc<(i32, i32, i32), i32>>,
-    pub(crate) on_request_trailers: Option<TypedFunc<(i32, i32), i32>>,
-    pub(crate) on_response_headers: Option<TypedFunc<(i32, i32, i32), i32>>,
-    pub(crate) on_response_body: Option<TypedFunc<(i32, i32, i32), i32>>,
-    pub(crate) on_response_trailers: Option<TypedFunc<(i32, i32), i32>>,
-    pub(crate) on_http_call_response: Option<TypedFunc<CalloutResponseArgs, ()>>,
-    pub(crate) on_done: Option<TypedFunc<i32, i32>>,
-    pub(crate) on_log: Option<TypedFunc<i32, ()>>,
-    pub(crate) on_delete: Option<TypedFunc<i32, ()>>,
+    pub(crate) on_context_create: Export<(i32, i32), ()>,
+    pub(crate) on_vm_start: Export<(i32, i32), i32>,
+    pub(crate) on_configure: Export<(i32, i32), i32>,
+    pub(crate) on_tick: Export<i32, ()>,
+    pub(crate) on_queue_ready: Export<(i32, i32), ()>,
+    pub(crate) on_request_headers: Export<(i32, i32, i32), i32>,
+    pub(crate) on_request_body: Export<(i32, i32, i32), i32>,
+    pub(crate) on_request_trailers: Export<(i32, i32), i32>,
+    pub(crate) on_response_headers: Export<(i32, i32, i32), i32>,
+    pub(crate) on_response_body: Export<(i32, i32, i32), i32>,
+    pub(crate) on_response_trailers: Export<(i32, i32), i32>,
+    pub(crate) on_http_call_response: Export<CalloutResponseArgs, ()>,
+    pub(crate) on_done: Export<i32, i32>,
+    pub(crate) on_log: Export<i32, ()>,
+    pub(crate) on_delete: Export<i32, ()>,
 }
 
+/// An optional export as a typed function, shared (see [`typed`]).
+type Export<P, R> = Option<Rc<TypedFunc<P, R>>>;
+
+/// An export as a typed function, behind an `Rc`: each call clones the `Rc`, not the function
+/// (whose type registration is reference-counted and costs more to clone and drop).
 fn typed<P: WasmParams, R: WasmResults>(
     store: &mut Store<VmState>,
     instance: &Instance,
     name: &str,
-) -> Result<Option<TypedFunc<P, R>>, HostError> {
+) -> Result<Export<P, R>, HostError> {
     match instance.get_export(&mut *store, name) {
         None => Ok(None),
         Some(Extern::Func(f)) => f
             .typed::<P, R>(&*store)
-            .map(Some)
+            .map(|f| Some(Rc::new(f)))
             .map_err(|e| HostError::Abi(format!("export {name} has the wrong type: {e}"))),
         Some(_) => Err(HostError::Abi(format!("export {name} is not a function"))),
     }

@@ -614,14 +614,23 @@ fn set_shared_data(caller: &mut C<'_>, kptr: i32, klen: i32, vptr: i32, vlen: i3
     let state = caller.data();
     let mut shared = state.shared.borrow_mut();
     let shared = &mut *shared;
-    let forced_key = (state.vm_id.clone(), key.clone());
-    let map = shared.shared_data.entry(state.vm_id.clone()).or_default();
+    if !shared.shared_data.contains_key(&state.vm_id) {
+        shared.shared_data.insert(state.vm_id.clone(), Default::default());
+    }
+    let Some(map) = shared.shared_data.get_mut(&state.vm_id) else { return Ok(Status::InternalFailure) };
     if let Some(entry) = map.get_mut(&key) {
         if cas != 0 {
             // A conflicting write injected by the test (Host::force_cas_mismatch): another VM wrote
-            // the same value in between, so the stored cas moved on.
-            if let Some(left) = shared.forced_cas_mismatch.get_mut(&forced_key).filter(|n| **n > 0) {
-                *left -= 1;
+            // the same value in between, so the stored cas moved on. (The key is built only when
+            // some are injected.)
+            let forced = !shared.forced_cas_mismatch.is_empty()
+                && shared
+                    .forced_cas_mismatch
+                    .get_mut(&(state.vm_id.clone(), key.clone()))
+                    .filter(|n| **n > 0)
+                    .map(|left| *left -= 1)
+                    .is_some();
+            if forced {
                 let next = shared.next_cas;
                 shared.next_cas = next.wrapping_add(1).max(1);
                 entry.1 = next;

@@ -211,7 +211,7 @@ pub(crate) struct VmState {
     pub(crate) plugin_config_visible: bool,
     pub(crate) properties: Vec<(Vec<u8>, Vec<u8>)>,
     pub(crate) memory: Option<Memory>,
-    pub(crate) alloc: Option<TypedFunc<i32, i32>>,
+    pub(crate) alloc: Option<Rc<TypedFunc<i32, i32>>>,
     /// `_initialize`/`_start` is running: only logging, clocks and WASI are allowed (as in Envoy).
     pub(crate) initializing: bool,
     /// The context of the running callback (0: the VM context, during start and allocation).

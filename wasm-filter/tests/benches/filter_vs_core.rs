@@ -13,7 +13,8 @@
 //! 64 requests (completions and chat, 40..4000 prompt tokens, repeated conversations so the
 //! approximate index hits). After criterion's report the bench prints the ratio filter / native
 //! from its own interleaved measurement (`cargo bench -p kvroute-wasm-tests --bench
-//! filter_vs_core`; the target is at most 2.5x).
+//! filter_vs_core`; the target is at most 2.5x), and the filter's figure with
+//! `sync.batch_completions` (completions appended with the next decision's effects).
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::hint::black_box;
@@ -116,7 +117,9 @@ impl Filter {
 }
 
 impl Filter {
-    fn new() -> Filter {
+    /// The kvroute filter; `batch`: with `sync.batch_completions` (a completion goes to the shared
+    /// log with the next decision's effects, in one claim).
+    fn new(batch: bool) -> Filter {
         let pages = Pages::default();
         for (i, (id, _)) in ENDPOINTS.iter().enumerate() {
             pages.always(id, page(i));
@@ -124,10 +127,22 @@ impl Filter {
         let mut host = host(&pages).unwrap();
         let filter = host.load_kvroute_filter().unwrap();
         // Production settings: no debug header; metrics polled rarely (the clock barely moves).
-        let cfg = plugin_config(&json!({}), &ENDPOINTS, &json!({"debug_decision_header": false}));
+        let mut extra = json!({"debug_decision_header": false});
+        if batch {
+            extra["sync"] = json!({"batch_completions": true});
+        }
+        let cfg = plugin_config(&json!({}), &ENDPOINTS, &extra);
         let vm = host.start_vm(&filter, vm_config(&cfg)).unwrap();
         host.advance(Duration::from_millis(150)).unwrap();
-        Filter { host, vm, routes: true }
+        let mut f = Filter { host, vm, routes: true };
+        // Configured and routing (checked outside debug builds too).
+        let s = f.host.new_stream(f.vm).unwrap();
+        let headers = [(":method", "POST"), (":path", "/v1/completions"), ("content-type", "application/json")];
+        f.host.send_request_headers(s, headers, false).unwrap();
+        f.host.send_request_body(s, br#"{"model": "m", "prompt": "hello"}"#, true).unwrap();
+        let done = f.host.finish_stream(s).unwrap();
+        assert!(done.upstream_headers().is_some_and(|h| h.contains("x-gateway-destination-endpoint")));
+        f
     }
 
     fn one(&mut self, path: &str, body: &[u8]) {
@@ -156,7 +171,7 @@ fn bench(c: &mut Criterion, reqs: &[(&'static str, Vec<u8>)]) {
             native.one(p, body);
         });
     });
-    let mut filter = Filter::new();
+    let mut filter = Filter::new(false);
     let mut j = 0;
     g.bench_function("filter_in_host", |b| {
         b.iter(|| {
@@ -178,12 +193,15 @@ fn bench(c: &mut Criterion, reqs: &[(&'static str, Vec<u8>)]) {
 }
 
 /// Interleaved rounds over the whole request set; the best round of each side (least disturbed
-/// by other processes).
-fn ratio(reqs: &[(&'static str, Vec<u8>)], rounds: usize, reps: usize) -> (Duration, Duration, Duration) {
+/// by other processes): (native, filter, pass-through), and the filter with
+/// `sync.batch_completions` (unless `KVROUTE_BENCH_BATCHED=0`).
+fn ratio(reqs: &[(&'static str, Vec<u8>)], rounds: usize, reps: usize) -> ([Duration; 3], Option<Duration>) {
     let mut native = Native::new();
-    let mut filter = Filter::new();
+    let mut filter = Filter::new(false);
+    // `KVROUTE_BENCH_BATCHED=0` leaves it out (a filter build older than the option).
+    let mut batched = (std::env::var("KVROUTE_BENCH_BATCHED").as_deref() != Ok("0")).then(|| Filter::new(true));
     let mut floor = Filter::pass_through();
-    let (mut best_n, mut best_f, mut best_p) = (Duration::MAX, Duration::MAX, Duration::MAX);
+    let (mut best_n, mut best_f, mut best_p, mut best_b) = (Duration::MAX, Duration::MAX, Duration::MAX, Duration::MAX);
     for _ in 0..rounds {
         let t = Instant::now();
         for _ in 0..reps {
@@ -206,9 +224,18 @@ fn ratio(reqs: &[(&'static str, Vec<u8>)], rounds: usize, reps: usize) -> (Durat
             }
         }
         best_p = best_p.min(t.elapsed());
+        if let Some(batched) = batched.as_mut() {
+            let t = Instant::now();
+            for _ in 0..reps {
+                for (p, b) in reqs {
+                    batched.one(p, b);
+                }
+            }
+            best_b = best_b.min(t.elapsed());
+        }
     }
     let n = u32::try_from(reps * reqs.len()).unwrap_or(u32::MAX);
-    (best_n / n, best_f / n, best_p / n)
+    ([best_n / n, best_f / n, best_p / n], batched.is_some().then(|| best_b / n))
 }
 
 fn main() {
@@ -219,8 +246,10 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     bench(&mut c, &reqs);
     c.final_summary();
-    let (rounds, reps) = if test_mode { (1, 1) } else { (7, 20) };
-    let (n, f, p) = ratio(&reqs, rounds, reps);
+    // `KVROUTE_BENCH_ROUNDS` raises the number of rounds on a busy machine (the best one counts).
+    let rounds = std::env::var("KVROUTE_BENCH_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(7);
+    let (rounds, reps) = if test_mode { (1, 1) } else { (rounds, 20) };
+    let ([n, f, p], b) = ratio(&reqs, rounds, reps);
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     if test_mode {
         // One round, and in `cargo test` an unoptimized build: the run shows the paths work.
@@ -237,5 +266,13 @@ fn main() {
         us(p),
         us(f.saturating_sub(p)),
         f.saturating_sub(p).as_secs_f64() / n.as_secs_f64()
+    );
+    let Some(b) = b else { return };
+    println!(
+        "with sync.batch_completions: filter in host {:.1} µs, ratio {:.2}x; without the host's stream handling {:.1} µs, ratio {:.2}x",
+        us(b),
+        b.as_secs_f64() / n.as_secs_f64(),
+        us(b.saturating_sub(p)),
+        b.saturating_sub(p).as_secs_f64() / n.as_secs_f64()
     );
 }

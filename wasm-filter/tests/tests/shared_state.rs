@@ -107,6 +107,40 @@ fn in_flight_counts_are_shared_and_released_by_completions() {
 }
 
 #[test]
+fn batched_completions_reach_the_other_vms_with_the_next_decision_or_the_next_tick() {
+    // `sync.batch_completions`: a completion waits for its VM's next append (one claim with the
+    // decision's effects) or its next tick; its own VM applies it at once.
+    let mut host = host(&Pages::default()).unwrap();
+    let filter = host.load_kvroute_filter().unwrap();
+    let extra = json!({"sync": {"batch_completions": true, "tick_ms": 100}});
+    let cfg = plugin_config(&json!({}), &[(A, "decode"), (B, "decode")], &extra);
+    let vms: Vec<VmId> = (0..2).map(|_| host.start_vm(&filter, vm_config(&cfg)).unwrap()).collect();
+    let mut open = Vec::new();
+    for i in 0..2 {
+        let body = json!({"model": "m", "prompt": format!("request {i}")}).to_string();
+        let (s, o) = route(&mut host, vms[0], body.as_bytes(), &[]).unwrap();
+        assert!(o.destination().is_some());
+        open.push(s);
+    }
+    assert_eq!(inflight_total(&stats(&mut host, vms[1]).unwrap()), 2.0);
+    host.finish_stream(open.remove(0)).unwrap();
+    assert_eq!(inflight_total(&stats(&mut host, vms[0]).unwrap()), 1.0, "its own VM at once");
+    assert_eq!(inflight_total(&stats(&mut host, vms[1]).unwrap()), 2.0, "deferred");
+    let (s, _) = route(&mut host, vms[0], br#"{"model": "m", "prompt": "third"}"#, &[]).unwrap();
+    open.push(s);
+    assert_eq!(inflight_total(&stats(&mut host, vms[1]).unwrap()), 2.0, "with the next decision");
+    for s in open.drain(..) {
+        host.finish_stream(s).unwrap();
+    }
+    assert_eq!(inflight_total(&stats(&mut host, vms[1]).unwrap()), 2.0);
+    host.advance(Duration::from_millis(100)).unwrap();
+    for vm in &vms {
+        assert_eq!(inflight_total(&stats(&mut host, *vm).unwrap()), 0.0, "within one tick");
+    }
+    clean(&host);
+}
+
+#[test]
 fn one_vm_polls_metrics_through_the_cluster_and_every_vm_uses_them() {
     let pages = Pages::default();
     pages.always(A, prometheus(&json!({"waiting": 2, "running": 1, "kv_usage": 0.3})));
