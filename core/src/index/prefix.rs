@@ -1162,11 +1162,12 @@ impl PrefixIndex {
         self.store.iter().map(|(_, r)| r.len() as u64).sum()
     }
 
+    /// Records of `slot` held in a tier and live (what `memberships_of` counts), by a scan.
     #[cfg(test)]
     pub(crate) fn live_records_in_table(&self, slot: usize) -> u64 {
         self.store
             .iter()
-            .map(|(_, recs)| recs.iter().filter(|&&r| rec_slot(r) == slot && is_live(&self.slots, r)).count() as u64)
+            .map(|(_, recs)| recs.iter().filter(|&&r| rec_slot(r) == slot && counted(&self.slots, r)).count() as u64)
             .sum()
     }
 
@@ -1459,7 +1460,7 @@ mod tests {
         /// Invariants under random operation sequences: match results equal a naive computation
         /// from `contains`; live counts equal records found; capacity holds.
         #[test]
-        fn invariants_hold(ops in proptest::collection::vec((0u8..14, 0usize..6, 1u64..40, 1usize..12), 1..300)) {
+        fn invariants_hold(ops in proptest::collection::vec((0u8..17, 0usize..6, 1u64..40, 1usize..12), 1..300)) {
             let cap = 128;
             let mut ix: PrefixIndex = PrefixIndex::new(0, cap);
             let mut active = [false; 6];
@@ -1473,6 +1474,14 @@ mod tests {
                     }
                     12 => { let keys: Vec<u64> = (start..start + len as u64).collect(); ix.store(&keys, slot, Medium::Cpu); }
                     13 => { ix.clear_slot(slot); }
+                    14 | 15 => {
+                        // Speculation on a chain, then (op 15) its withdrawal at the same tick.
+                        let keys: Vec<u64> = (start..start + len as u64).collect();
+                        let tick = (start as u32) % 7;
+                        ix.speculate(&keys, slot, tick);
+                        if op == 15 { ix.unspeculate(&keys, slot, tick); }
+                    }
+                    16 => { ix.collect_all(); }
                     _ => {
                         if !active[slot] { ix.activate(slot); active[slot] = true; }
                         let keys: Vec<u64> = (start..start + len as u64).collect();
@@ -1489,7 +1498,9 @@ mod tests {
                     if !is_active { prop_assert_eq!(ix.memberships_of(s), 0); }
                 }
                 let live: u64 = (0..6).map(|s| u64::from(ix.memberships_of(s))).sum();
-                prop_assert_eq!(ix.charged_memberships(), live, "running totals follow the slots");
+                let spec: u64 = ix.store.iter().map(|(_, recs)| recs.iter().filter(|&&r| r & TIERS == 0 && is_live(&ix.slots, r)).count() as u64).sum();
+                prop_assert_eq!(ix.speculative_memberships(), spec, "speculative counts follow the records");
+                prop_assert_eq!(ix.charged_memberships(), live + spec, "running totals follow the slots");
                 ix.check_store();
                 prop_assert_eq!(ix.budget_memberships(), u64::from(cap) * active.iter().filter(|&&a| a).count() as u64);
             }
