@@ -19,7 +19,7 @@
 //! routed request so that speculative entries expire as in steady traffic, and the endpoints'
 //! metrics (set once) must stay fresh meanwhile.
 //!
-//! A summary with the issues' targets (route ≤ 15 µs with dual keys, ≤ 200 µs with sha256_cbor;
+//! A summary with the issues' goals (route ≤ 15 µs with dual keys, ≤ 200 µs with sha256_cbor;
 //! route_http ≤ 60 µs with dual keys, the token-id body parse ≥ 3x faster than serde alone)
 //! is printed after criterion's report. Run: `cargo bench -p kvroute-benches --bench precise`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -421,12 +421,9 @@ fn main() {
     }
     println!();
     println!("targets:");
-    for (name, target) in [
-        ("route/dual", 15.0),
-        ("route_http/dual", 15.0),
-        ("route/sha256_cbor", 200.0),
-        ("route_http/sha256_cbor", 200.0),
-    ] {
+    // route_http/dual's goal is issue 16's 60 µs (below): parsing 8k token ids alone takes more
+    // than 15 µs, so the 15 µs goal applies to `route()` only.
+    for (name, target) in [("route/dual", 15.0), ("route/sha256_cbor", 200.0), ("route_http/sha256_cbor", 200.0)] {
         if let Some((_, Some(us))) = route.iter().find(|(n, _)| n == name) {
             println!("- {name} ≤ {target} µs: {us:.2} µs ({})", verdict(*us, target));
         }
