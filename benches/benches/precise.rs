@@ -33,7 +33,7 @@ use criterion::{Criterion, Throughput};
 use kvroute::Prompt;
 use kvroute::{decode_batch, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute::{BlockExtras, EngineHashSpec, EngineHasher, HashAlgo};
-use kvroute::{DualKeyHashing, EndpointSpec, MetricsSnapshot, RequestKeys, Role, RouteRequest, Router};
+use kvroute::{DualKeyHashing, RequestKeys, RouteRequest, Router};
 use kvroute_benches::timing::Samples;
 
 const W: usize = 64;
@@ -179,17 +179,7 @@ fn payload(batch: &EventBatch) -> Vec<u8> {
 /// A router with `W` decode endpoints and fresh metrics, no events applied.
 fn router(cfg: &str, ids: &[String]) -> Router {
     let router = Router::from_json(cfg).unwrap();
-    for (i, id) in ids.iter().enumerate() {
-        router.upsert_endpoint(EndpointSpec::new(id.as_str(), Role::Decode)).unwrap();
-        let m = MetricsSnapshot {
-            waiting: (i % 4) as u32,
-            running: 8,
-            kv_usage: 0.3 + (i % 5) as f64 * 0.05,
-            updated_ms: NOW,
-            ..Default::default()
-        };
-        router.update_metrics(id, m).unwrap();
-    }
+    kvroute_benches::fleet::add_decode_endpoints(&router, ids, NOW);
     router
 }
 

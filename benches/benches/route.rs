@@ -11,7 +11,7 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use kvroute::{ApproxHashing, EndpointSpec, MetricsSnapshot, Policy, RequestKeys, Role, RouteRequest, Router};
+use kvroute::{ApproxHashing, Policy, RequestKeys, RouteRequest, Router};
 use kvroute_benches::timing::{thread_cpu_time, Samples};
 
 /// Criterion's measurement samples kept for the goal lines.
@@ -21,37 +21,14 @@ const NOW: u64 = 1_000;
 /// 8k tokens × 4 bytes per pseudo-token.
 const PROMPT_BYTES: usize = 8192 * 4;
 
-fn text(seed: u64, len: usize) -> String {
-    let words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut s = String::with_capacity(len + 16);
-    while s.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        s.push_str(words[(x % 10) as usize]);
-        s.push(' ');
-    }
-    s.truncate(len);
-    s
-}
+use kvroute_benches::fleet::words as text;
 
 /// A router with `n` decode endpoints, fresh metrics, and an index warmed by `warm` earlier
 /// 8k-token requests (16 tenants, 2k-token system prompts, distinct conversation tails).
 fn router(n: usize, warm: usize) -> (Router, Vec<String>) {
     let router = Router::new(Policy::default());
-    for i in 0..n {
-        let id = format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256);
-        router.upsert_endpoint(EndpointSpec::new(id.as_str(), Role::Decode)).unwrap();
-        let m = MetricsSnapshot {
-            waiting: (i % 4) as u32,
-            running: 8,
-            kv_usage: 0.3 + (i % 5) as f64 * 0.05,
-            updated_ms: NOW,
-            ..Default::default()
-        };
-        router.update_metrics(&id, m).unwrap();
-    }
+    let ids: Vec<String> = (0..n).map(|i| format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256)).collect();
+    kvroute_benches::fleet::add_decode_endpoints(&router, &ids, NOW);
     let systems: Vec<String> = (0..16).map(|t| text(1000 + t, 2048 * 4)).collect();
     let mut warm_ids = Vec::with_capacity(warm);
     for r in 0..warm {

@@ -28,8 +28,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use kvroute::{BlockStored, EndpointSpec, EventBatch, KvEvent, Medium, MetricsSnapshot, Policy, Prompt};
-use kvroute::{Role, RouteRequest, Router};
+use kvroute::{BlockStored, EventBatch, KvEvent, Medium, Policy, Prompt};
+use kvroute::{RouteRequest, Router};
 use kvroute_benches::timing::median;
 
 const NOW: u64 = 1_000;
@@ -54,20 +54,7 @@ fn splitmix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-fn text(seed: u64, len: usize) -> String {
-    let words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut s = String::with_capacity(len + 16);
-    while s.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        s.push_str(words[(x % 10) as usize]);
-        s.push(' ');
-    }
-    s.truncate(len);
-    s
-}
+use kvroute_benches::fleet::words as text;
 
 fn endpoint_id(e: usize) -> String {
     format!("10.0.{}.{}:8000", e / 256, e % 256)
@@ -75,17 +62,7 @@ fn endpoint_id(e: usize) -> String {
 
 fn add_endpoints(router: &Router) -> Vec<String> {
     let ids: Vec<String> = (0..W).map(endpoint_id).collect();
-    for (i, id) in ids.iter().enumerate() {
-        router.upsert_endpoint(EndpointSpec::new(id.as_str(), Role::Decode)).unwrap();
-        let m = MetricsSnapshot {
-            waiting: (i % 4) as u32,
-            running: 8,
-            kv_usage: 0.3 + (i % 5) as f64 * 0.05,
-            updated_ms: NOW,
-            ..Default::default()
-        };
-        router.update_metrics(id, m).unwrap();
-    }
+    kvroute_benches::fleet::add_decode_endpoints(router, &ids, NOW);
     ids
 }
 

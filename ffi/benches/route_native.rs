@@ -31,20 +31,7 @@ const PROMPT_BYTES: usize = 8192 * 4;
 const NOW: u64 = 1_000;
 
 /// The text generator of benches/benches/route.rs (and of route_bench.c).
-fn text(seed: u64, len: usize) -> String {
-    let words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "lambda", "zeta"];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut s = String::with_capacity(len + 16);
-    while s.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        s.push_str(words[(x % 10) as usize]);
-        s.push(' ');
-    }
-    s.truncate(len);
-    s
-}
+use kvroute_benches::fleet::words as text;
 
 /// The JSON body, byte for byte as route_bench.c writes it.
 fn body(prompt: &str, max_tokens: Option<u32>) -> String {
