@@ -207,6 +207,13 @@ fn route_benches(
     req.prompts = vec![Prompt::Tokens(ids_in.clone())];
     req.max_tokens = Some(256);
     let no_headers = std::iter::empty::<(&str, &str)>;
+    // The same request as a binary token-id body (little-endian u32s; the model in a header).
+    let binary: Vec<u8> = ids_in.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let binary_headers = [
+        ("content-type", "application/vnd.kvroute.token-ids"),
+        ("x-kvroute-model", "llama"),
+        ("x-kvroute-max-tokens", "256"),
+    ];
 
     let mut results = Vec::new();
     let mut g = c.benchmark_group("precise_route_8k_W64");
@@ -221,7 +228,10 @@ fn route_benches(
         assert_eq!(d.cached_tokens, cached as u64, "{label}: 3/4 of the prompt is cached there");
         r.complete(&d.request_id).unwrap();
         let now = Cell::new(NOW);
-        for (what, http) in [("route", false), ("route_http", true)] {
+        for (what, http) in [("route", 0), ("route_http", 1), ("route_http_binary", 2)] {
+            if http == 2 && label != "dual" {
+                continue;
+            }
             let samples = Samples::new();
             g.bench_function(format!("{what}/{label}"), |b| {
                 b.iter_custom(|iters| {
@@ -229,10 +239,10 @@ fn route_benches(
                     for _ in 0..iters {
                         // 1 ms per request: speculative entries expire as in steady traffic.
                         now.set(now.get() + 1);
-                        let d = if http {
-                            r.route_http(black_box(body.as_bytes()), no_headers(), now.get()).unwrap()
-                        } else {
-                            r.route(black_box(&req), now.get()).unwrap()
+                        let d = match http {
+                            0 => r.route(black_box(&req), now.get()).unwrap(),
+                            1 => r.route_http(black_box(body.as_bytes()), no_headers(), now.get()).unwrap(),
+                            _ => r.route_http(black_box(&binary), binary_headers, now.get()).unwrap(),
                         };
                         r.complete(&d.request_id).unwrap();
                     }
@@ -422,6 +432,12 @@ fn main() {
     // Issue 16 (token-id fast path): route_http with dual keys ≤ 60 µs, the parse ≥ 3x faster.
     if let Some(http) = us("route_http/dual") {
         println!("- route_http/dual ≤ 60 µs (token-id fast path): {http:.2} µs ({})", verdict(http, 60.0));
+    }
+    // Issue 16: a binary token-id body routes within 2x of `route()`.
+    if let (Some(bin), Some(route)) = (us("route_http_binary/dual"), us("route/dual")) {
+        let ratio = bin / route;
+        let met = if ratio <= 2.0 { "met" } else { "MISSED" };
+        println!("- route_http_binary/dual within 2x of route/dual: {bin:.2} µs, {ratio:.2}x ({met})");
     }
     if let (Some(fast), Some(serde)) = (us("parse_body"), us("parse_body_serde_only")) {
         let ratio = serde / fast;

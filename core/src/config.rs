@@ -558,6 +558,15 @@ pub struct RequestConfig {
     pub lora_adapters: BTreeMap<String, String>,
     /// Add an `x-kvroute-score: rule;score;hit` header to routed requests (debugging).
     pub debug_header: bool,
+    /// A request whose `content-type` is this media type (parameters after `;` ignored, case
+    /// ignored) has a binary body: the prompt's token ids as little-endian `u32`s, nothing else;
+    /// it is a completions request whose model is in `model_header`. A gateway that already
+    /// holds the token ids sets it, and the router skips JSON. Empty: binary bodies are off.
+    pub token_ids_content_type: String,
+    /// Header carrying the model of a binary token-id body (required there, ignored otherwise).
+    pub model_header: String,
+    /// Header carrying the output-token budget of a binary token-id body (optional).
+    pub max_tokens_header: String,
 }
 
 impl Default for RequestConfig {
@@ -579,6 +588,9 @@ impl Default for RequestConfig {
             bypass_probability_header: "x-kvroute-bypass-probability".into(),
             lora_adapters: BTreeMap::new(),
             debug_header: false,
+            token_ids_content_type: "application/vnd.kvroute.token-ids".into(),
+            model_header: "x-kvroute-model".into(),
+            max_tokens_header: "x-kvroute-max-tokens".into(),
         }
     }
 }
@@ -933,6 +945,18 @@ fn validate(c: &PolicyConfig) -> Result<(), ConfigError> {
     check_header("request.slo_ttft_header", &r.slo_ttft_header)?;
     check_header("request.slo_ttft_alias_header", &r.slo_ttft_alias_header)?;
     check_header("request.queue_ttl_header", &r.queue_ttl_header)?;
+    check_header("request.model_header", &r.model_header)?;
+    check_header("request.max_tokens_header", &r.max_tokens_header)?;
+    let t = &r.token_ids_content_type;
+    if !t.is_empty()
+        && (t.contains(';') || !t.contains('/') || t.bytes().any(|b| b.is_ascii_whitespace() || !b.is_ascii_graphic()))
+    {
+        return Err(ConfigError::invalid(
+            "request.token_ids_content_type",
+            format!("{t:?}"),
+            "must be a media type such as application/vnd.kvroute.token-ids (no parameters), or empty",
+        ));
+    }
     for name in r.objectives.keys() {
         if name.is_empty() {
             return Err(ConfigError::invalid("request.objectives", "\"\"", "objective names must be non-empty"));

@@ -16,7 +16,7 @@ mod common;
 use libfuzzer_sys::fuzz_target;
 
 /// The request headers kvroute reads (default names), in input order.
-const HEADERS: [&str; 8] = [
+const HEADERS: [&str; 10] = [
     "x-request-id",
     "x-session-id",
     "x-kvroute-priority",
@@ -25,6 +25,8 @@ const HEADERS: [&str; 8] = [
     "x-kvroute-bypass-probability",
     "x-llm-d-inference-fairness-id",
     "content-type",
+    "x-kvroute-model",
+    "x-kvroute-max-tokens",
 ];
 
 fuzz_target!(|data: &[u8]| {

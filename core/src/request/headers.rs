@@ -18,6 +18,12 @@ pub(super) struct HeaderValues {
     pub(super) slo_ttft_ms: Option<u64>,
     pub(super) queue_ttl_ms: Option<u64>,
     pub(super) hint: JudgmentHint,
+    /// The body is binary token ids (`content-type` is `token_ids_content_type`).
+    pub(super) binary_tokens: bool,
+    /// `model_header` (used by binary token-id bodies).
+    pub(super) model: Option<String>,
+    /// `max_tokens_header` (used by binary token-id bodies).
+    pub(super) max_tokens: Option<u32>,
 }
 
 impl HeaderValues {
@@ -46,6 +52,22 @@ impl HeaderValues {
                     } else {
                         return Err(bad("only /v1/completions and /v1/chat/completions can be routed"));
                     };
+                }
+            } else if k.eq_ignore_ascii_case("content-type") {
+                let media = v.split(';').next().unwrap_or("").trim();
+                if !cfg.token_ids_content_type.is_empty() && media.eq_ignore_ascii_case(&cfg.token_ids_content_type) {
+                    out.binary_tokens = true;
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.model_header) {
+                if out.model.is_none() && !v.is_empty() {
+                    out.model = Some(v.to_owned());
+                }
+            } else if k.eq_ignore_ascii_case(&cfg.max_tokens_header) {
+                if out.max_tokens.is_none() {
+                    match v.parse::<u32>() {
+                        Ok(m) => out.max_tokens = Some(m),
+                        Err(_) => return Err(bad("must be a non-negative integer below 2^32")),
+                    }
                 }
             } else if k.eq_ignore_ascii_case(&cfg.request_id_header) {
                 if out.request_id.is_none() && !v.is_empty() {

@@ -297,6 +297,9 @@ impl RouteRequest {
             return Err(RequestError::BodyTooLarge { size: body.len(), limit: cfg.max_body_bytes });
         }
         let h = HeaderValues::collect(headers, cfg)?;
+        if h.binary_tokens {
+            return Self::from_binary_token_ids(body, h, cfg);
+        }
         if body.iter().all(u8::is_ascii_whitespace) {
             return Err(RequestError::EmptyBody);
         }
@@ -369,6 +372,64 @@ impl RouteRequest {
             cache_salt: raw.cache_salt.filter(|s| !s.is_empty()),
             max_tokens,
             stream: raw.stream.unwrap_or(false),
+            ..Self::with_headers(h, prompts, chat, key_limit, media_keys, media_parts)
+        })
+    }
+
+    /// A binary token-id body (`request.token_ids_content_type`): little-endian `u32` token ids,
+    /// the model in `request.model_header`, a completions request.
+    fn from_binary_token_ids(body: &[u8], h: HeaderValues, cfg: &RequestConfig) -> Result<RouteRequest, RequestError> {
+        if body.is_empty() {
+            return Err(RequestError::EmptyBody);
+        }
+        if body.len() % 4 != 0 {
+            return Err(RequestError::field(
+                "body",
+                format!("a token-id body is little-endian u32 token ids: {} bytes is not a multiple of 4", body.len()),
+            ));
+        }
+        if h.path_api == Some(Api::ChatCompletions) {
+            return Err(RequestError::field("body", "a token-id body is a completions request, not chat"));
+        }
+        let model = match &h.model {
+            Some(m) => m.clone(),
+            None => {
+                return Err(RequestError::Header {
+                    header: cfg.model_header.clone(),
+                    value: String::new(),
+                    reason: "missing: a token-id body names its model in this header".into(),
+                })
+            }
+        };
+        let ids = body.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok(RouteRequest {
+            api: Api::Completions,
+            lora_adapter: cfg.lora_adapters.get(&model).cloned(),
+            model,
+            cache_salt: None,
+            max_tokens: h.max_tokens,
+            stream: false,
+            ..Self::with_headers(h, vec![Prompt::Tokens(ids)], None, None, Vec::new(), 0)
+        })
+    }
+
+    /// The fields every body kind takes from the headers, with the prompts (the body's fields
+    /// are the caller's to set).
+    fn with_headers(
+        h: HeaderValues,
+        prompts: Vec<Prompt>,
+        chat: Option<ChatInput>,
+        key_limit: Option<KeyLimit>,
+        media_keys: Vec<MediaKey>,
+        media_parts: u32,
+    ) -> RouteRequest {
+        RouteRequest {
+            api: Api::Completions,
+            lora_adapter: None,
+            model: String::new(),
+            cache_salt: None,
+            max_tokens: None,
+            stream: false,
             request_id: h.request_id,
             session_id: h.session_id,
             fairness_id: h.fairness_id,
@@ -382,7 +443,7 @@ impl RouteRequest {
             key_limit,
             media_keys,
             media_parts,
-        })
+        }
     }
 }
 
