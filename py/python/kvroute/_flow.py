@@ -157,9 +157,17 @@ class Dispatcher:
             return sorted(self._waiters)
 
     def timers(self) -> int:
-        """Event loops with an armed timer."""
+        """Event loops with an armed timer (a closed loop's is dropped: it can never fire)."""
         with self._lock:
+            self._drop_closed()
             return sum(1 for t in self._loops.values() if t.handle is not None)
+
+    def _drop_closed(self) -> None:
+        """Under the lock: forget the loops that closed with nobody waiting on them. A release
+        taken on another thread just before a loop closed schedules that loop's re-arm, which
+        a closed loop never runs, so its last timer would stay behind."""
+        for loop in [loop for loop, t in self._loops.items() if t.waiters == 0 and loop.is_closed()]:
+            self._loops.pop(loop).disarm()
 
     # ----------------------------------------------------------------------------------------
     # admission
@@ -281,6 +289,7 @@ class Dispatcher:
         """Re-arm (or drop) the timer of every loop with waiters, each on its own thread."""
         running = _running_loop()
         with self._lock:
+            self._drop_closed()
             loops = list(self._loops)
         for loop in loops:
             if loop is running:
