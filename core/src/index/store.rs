@@ -357,34 +357,23 @@ impl BlockStore {
                 self.chunks[c + 2 + i] = rec;
                 (Some(head), old)
             }
-            (Ok(i), Some(rec)) => {
-                let mut b = std::mem::take(&mut self.build);
-                b.clear();
-                b.extend_from_slice(&self.chunks[c + 2..c + 2 + len]);
-                b[i] = rec;
-                let h = self.make(&b);
-                self.build = b;
-                (h, old)
-            }
-            (Ok(i), None) => {
-                let mut b = std::mem::take(&mut self.build);
-                b.clear();
-                b.extend_from_slice(&self.chunks[c + 2..c + 2 + len]);
-                b.remove(i);
-                let h = self.make(&b);
-                self.build = b;
-                (h, old)
-            }
             (Err(_), None) => ((len > 0).then_some(head), None),
-            (Err(i), Some(rec)) => {
+            (found, new) => {
+                // A changed copy: the record replaced, removed or inserted in order.
                 let mut b = std::mem::take(&mut self.build);
                 b.clear();
-                b.extend_from_slice(&self.chunks[c + 2..c + 2 + i]);
-                b.push(rec);
-                b.extend_from_slice(&self.chunks[c + 2 + i..c + 2 + len]);
+                b.extend_from_slice(&self.chunks[c + 2..c + 2 + len]);
+                match (found, new) {
+                    (Ok(i), Some(rec)) => b[i] = rec,
+                    (Ok(i), None) => {
+                        b.remove(i);
+                    }
+                    (Err(i), Some(rec)) => b.insert(i, rec),
+                    (Err(_), None) => {}
+                }
                 let h = self.make(&b);
                 self.build = b;
-                (h, None)
+                (h, old)
             }
         }
     }
