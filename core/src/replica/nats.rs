@@ -556,16 +556,22 @@ async fn run(
             },
         }
         let now = unix_time_ms();
-        publish_pending(
-            &*router,
-            &client,
-            &subject,
-            &shared,
-            now,
-            now.saturating_sub(last_sent) >= heartbeat,
-            &mut last_sent,
-        )
-        .await;
+        // With a stream, nothing is published before this replica has opened it: a batch sent
+        // while the stream does not exist yet (a fresh server whose JetStream is still starting,
+        // where every replica's first attempt fails) would be stored nowhere, and a replica
+        // that joins later could never replay it. The outbox keeps the batches meanwhile.
+        if opts.stream.is_none() || inbound.is_some() {
+            publish_pending(
+                &*router,
+                &client,
+                &subject,
+                &shared,
+                now,
+                now.saturating_sub(last_sent) >= heartbeat,
+                &mut last_sent,
+            )
+            .await;
+        }
         router.tick(now);
     }
     // Hand over what waits and flush, bounded.
