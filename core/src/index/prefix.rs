@@ -18,6 +18,8 @@ const CPU: u32 = 1 << 17;
 const STORAGE: u32 = 1 << 18;
 const TIERS: u32 = GPU | CPU | STORAGE;
 const SLOT_SHIFT: u32 = 19;
+/// The record's flag bits (speculative and the three tiers) start here.
+const FLAGS_SHIFT: u32 = SPEC.trailing_zeros();
 /// Largest slot number a record can carry.
 pub const MAX_SLOTS: usize = 1 << 12;
 const SWEEP_DIVISOR: usize = 16_384;
@@ -27,6 +29,8 @@ const PREFETCH: usize = 12;
 const PREFETCH_MIN_BUCKETS: usize = 1 << 18;
 /// A position that could not be stored (the arena is full).
 const NO_POS: u32 = u32::MAX;
+/// Flags a position of `touch_all`'s call whose block was born with its final record.
+const BORN: u32 = 1 << 31;
 const SWEEP_PER_BIRTH: usize = 4;
 
 #[derive(Clone, Debug)]
@@ -70,6 +74,8 @@ pub struct MatchScratch {
     runs: Vec<SlotRun>,
     seen_weight: Vec<f64>,
     seen_spec: Vec<bool>,
+    /// Slots' figures saved across a uniform credit pass.
+    saved: Vec<(usize, u32, f64, u32)>,
 }
 
 /// A slot's state during a walk (one 16-byte line segment per slot).
@@ -119,7 +125,7 @@ impl MatchWeights {
 
     #[inline]
     fn of(&self, rec: u32) -> f64 {
-        self.by_flags[((rec >> SPEC.trailing_zeros()) & 0xf) as usize]
+        self.by_flags[((rec >> FLAGS_SHIFT) & 0xf) as usize]
     }
 }
 
@@ -277,11 +283,39 @@ const ACTIVE: u32 = 1 << 31;
 /// [`is_live`] from the compact mirror.
 #[inline]
 fn live_in(gens: &[u32], rec: u32) -> bool {
-    match gens.get(rec_slot(rec)) {
-        Some(&g) if g & ACTIVE != 0 => {
-            rec & TIERS == 0 || (g.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS
+    gens.get(rec_slot(rec)).is_some_and(|&g| live_at(g, rec))
+}
+
+/// [`live_in`] given the mirror word `g` of the record's slot.
+#[inline(always)]
+fn live_at(g: u32, rec: u32) -> bool {
+    g & ACTIVE != 0 && (rec & TIERS == 0 || (g.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS)
+}
+
+/// Credit every live record of `recs` with `k` leading blocks (weighted by its tier; confirmed
+/// unless only speculative): the holders of a block who all end their match at block `k`.
+#[inline]
+fn credit_all(recs: &[u32], gens: &[u32], w: &MatchWeights, k: u32, out: &mut PrefixMatch) {
+    let n = out.blocks.len().min(out.weighted.len()).min(out.confirmed.len()).min(gens.len());
+    let (blocks, weighted, confirmed) = (&mut out.blocks[..n], &mut out.weighted[..n], &mut out.confirmed[..n]);
+    // What a record adds, by its flag bits (the same products as `w.of(r) * k`).
+    let kf = f64::from(k);
+    let mut add_weighted = [0.0; 16];
+    let mut add_confirmed = [0u32; 16];
+    for flags in 0..16 {
+        let rec = (flags as u32) << FLAGS_SHIFT;
+        add_weighted[flags] = w.of(rec) * kf;
+        add_confirmed[flags] = if rec & TIERS == 0 { 0 } else { k };
+    }
+    for &r in recs {
+        let i = rec_slot(r);
+        // Every record's slot is below `n`; the test lets the indexing below go unchecked.
+        if i < n && live_at(gens[i], r) {
+            let flags = ((r >> FLAGS_SHIFT) & 0xf) as usize;
+            blocks[i] += k;
+            weighted[i] += add_weighted[flags];
+            confirmed[i] += add_confirmed[flags];
         }
-        _ => false,
     }
 }
 
@@ -643,6 +677,13 @@ impl PrefixIndex {
         let mut positions = std::mem::take(&mut self.positions);
         positions.clear();
         let prefetch = self.store.buckets() >= PREFETCH_MIN_BUCKETS;
+        // A call that fits in one generation piece stamps every block alike, so a block new to
+        // the store is born with its final record (and counted here), and the tail-first pass
+        // below skips it (`BORN`); a longer call inserts new blocks empty and stamps them there.
+        let stamp = self.slots[slot].gen & STAMP_MASK;
+        let one_piece = keys.len() <= self.slots[slot].per_gen as usize;
+        let born_head = if one_piece { ((slot as u32) << SLOT_SHIFT) | stamp | tier } else { EMPTY };
+        let mut born = 0u32;
         let mut last: Option<usize> = None;
         let mut i = 0;
         while i < keys.len() {
@@ -661,17 +702,39 @@ impl PrefixIndex {
                     self.store.prefetch(ahead);
                 }
             }
-            let pos = self.store.find(key).or_else(|| self.store.insert(key, EMPTY));
-            positions.push(pos.map_or(NO_POS, |p| p as u32));
+            let (pos, new) = self.store.find_or_insert(key, born_head);
+            match pos {
+                Some(p) if new && one_piece => {
+                    positions.push(p as u32 | BORN);
+                    born += 1;
+                    if tier != GPU && !self.dups.is_empty() {
+                        // First store of this tier: a count left from an evicted membership is stale.
+                        if let Ok(slot16) = u16::try_from(slot) {
+                            self.dups.remove(&(key, slot16, tier));
+                        }
+                    }
+                }
+                Some(p) => positions.push(p as u32),
+                None => positions.push(NO_POS),
+            }
             last = pos;
             i += 1;
         }
+        if born > 0 {
+            let s = &mut self.slots[slot];
+            s.counts[(stamp % GENERATIONS) as usize] += born;
+            s.live += born;
+            self.live_total += u64::from(born);
+            if self.dead_pending > 0 {
+                self.sweep_debt += SWEEP_PER_BIRTH * born as usize;
+            }
+        }
         // Then tail first, so a long request's head is never older than its tail.
-        let mut stamp = self.slots[slot].gen & STAMP_MASK;
+        let mut stamp = stamp;
         let mut in_piece = 0u32;
         let mut memo = Memo::new();
         for (i, &pos) in positions.iter().enumerate().rev() {
-            if pos != NO_POS {
+            if pos & BORN == 0 {
                 self.touch(pos as usize, keys[i], slot, tier, stamp, &mut memo);
             }
             in_piece += 1;
@@ -1002,7 +1065,7 @@ impl PrefixIndex {
         let Some(mut pos) = self.store.find(first) else { return };
         let gens = &self.gens;
         let words = self.slots.len().div_ceil(64);
-        let MatchScratch { alive, seen, runs, seen_weight, seen_spec } = scratch;
+        let MatchScratch { alive, seen, runs, seen_weight, seen_spec, saved } = scratch;
         let (alive, seen) = (&mut alive[..words], &mut seen[..words]);
         let first_head = self.store.head(pos);
         let spec_from_of = |r: u32| if r & TIERS == 0 { 0 } else { u32::MAX };
@@ -1054,21 +1117,27 @@ impl PrefixIndex {
             }
             if pristine {
                 // The first block's holders: those not seen here end at `k`, the others go on
-                // with their state made explicit.
+                // with their state made explicit. All are credited `k` blocks in one uniform
+                // pass (the holders of a shared system prompt: hundreds); the few seen here are
+                // then put back as they were and go on.
                 pristine = false;
-                for &r in self.store.records_of(&first_head) {
+                saved.clear();
+                for (index, s) in seen.iter().enumerate() {
+                    saved.extend(bits(index, *s).map(|i| (i, out.blocks[i], out.weighted[i], out.confirmed[i])));
+                }
+                let first_recs = self.store.records_of(&first_head);
+                credit_all(first_recs, gens, w, k, out);
+                for &(i, blocks, weighted, confirmed) in saved.iter() {
+                    out.blocks[i] = blocks;
+                    out.weighted[i] = weighted;
+                    out.confirmed[i] = confirmed;
+                    let Ok(at) = first_recs.binary_search_by_key(&(i as u32), |&r| owner(r)) else { continue };
+                    let r = first_recs[at];
                     if !live_in(gens, r) {
                         continue;
                     }
-                    let i = rec_slot(r);
                     let weight = w.of(r);
                     let spec_from = spec_from_of(r);
-                    if seen[i / 64] & (1 << (i % 64)) == 0 {
-                        out.blocks[i] += k;
-                        out.weighted[i] += weight * f64::from(k);
-                        out.confirmed[i] += spec_from.min(k);
-                        continue;
-                    }
                     alive[i / 64] |= 1 << (i % 64);
                     let run = &mut runs[i];
                     *run = SlotRun { weight, start: 0, spec_from };
@@ -1109,14 +1178,7 @@ impl PrefixIndex {
             prev = head;
         }
         if pristine {
-            for &r in self.store.records_of(&first_head) {
-                if live_in(gens, r) {
-                    let i = rec_slot(r);
-                    out.blocks[i] += k;
-                    out.weighted[i] += w.of(r) * f64::from(k);
-                    out.confirmed[i] += spec_from_of(r).min(k);
-                }
-            }
+            credit_all(self.store.records_of(&first_head), gens, w, k, out);
             return;
         }
         for (index, a) in alive.iter_mut().enumerate() {
@@ -1490,9 +1552,28 @@ mod tests {
                 }
                 let probe: Vec<u64> = (1..30).collect();
                 let got = matches(&ix, &[&probe]);
+                // Two sequences (sums over them), tier weights all distinct: blocks, weighted
+                // blocks and confirmed blocks against a naive walk through `holding`.
+                let (probe2, probe3): (Vec<u64>, Vec<u64>) = ((5..25).collect(), (start..start + 9).collect());
+                let tiers = TierWeights { gpu: 1.0, cpu: 0.75, storage: 0.5 };
+                let mut full = PrefixMatch::default();
+                ix.match_blocks(&rk(&[&probe2, &probe3]), &MatchWeights::new(&tiers), &mut full, &mut MatchScratch::default());
                 for (s, &is_active) in active.iter().enumerate() {
                     let naive = probe.iter().take_while(|&&k| ix.contains(k, s)).count() as u32;
                     prop_assert_eq!(got.get(s).copied().unwrap_or(0), naive);
+                    let (mut blocks, mut weighted, mut confirmed) = (0u32, 0.0f64, 0u32);
+                    for seq in [&probe2, &probe3] {
+                        let mut spec_seen = false;
+                        for h in seq.iter().map_while(|&k| ix.holding(k, s)) {
+                            blocks += 1;
+                            weighted += if h.gpu || h.speculative { tiers.gpu } else if h.cpu { tiers.cpu } else { tiers.storage };
+                            spec_seen |= !(h.gpu || h.cpu || h.storage);
+                            confirmed += u32::from(!spec_seen);
+                        }
+                    }
+                    prop_assert_eq!(full.blocks.get(s).copied().unwrap_or(0), blocks, "blocks of slot {}", s);
+                    prop_assert!((full.weighted.get(s).copied().unwrap_or(0.0) - weighted).abs() < 1e-9, "weighted of slot {}: {:?} vs {}", s, full.weighted.get(s), weighted);
+                    prop_assert_eq!(full.confirmed.get(s).copied().unwrap_or(0), confirmed, "confirmed of slot {}", s);
                     prop_assert!(ix.memberships_of(s) <= cap);
                     prop_assert_eq!(u64::from(ix.memberships_of(s)), ix.live_records_in_table(s));
                     if !is_active { prop_assert_eq!(ix.memberships_of(s), 0); }

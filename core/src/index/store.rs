@@ -13,8 +13,11 @@
 //!   `i + 1` right after block `i` (one compare, same cache line) instead of probing the table.
 //!   A head of 0 marks a free position (its block was deleted); free positions are reclaimed by
 //!   [`BlockStore::compact`].
-//! - **table**: open addressing with linear probing, any capacity (the home is a multiply-high
-//!   range reduction of a mix of the key), growth by 1.25x at load 7/8, backward-shift deletion.
+//! - **table**: open addressing with linear probing (the home is a multiply-high range reduction
+//!   of a mix of the key), growth by 1.5x at load 7/8, backward-shift deletion. A probe examines
+//!   a group of [`GROUP`] buckets per step (two SSE2 compares on x86_64): one step finds the
+//!   first empty bucket and the tag matches before it, where bucket-by-bucket probing would take
+//!   a branch per bucket (a miss probes several at high load). Sizes are multiples of the group.
 //!   A bucket is `tag << pos_bits | (pos + 1)` (0: empty): `pos_bits` (16 to 27) as the arena's
 //!   size needs, the rest a tag from the key's mix, so a probe step that is not the key is
 //!   almost always told apart without reading the arena (at 4M blocks, 10 tag bits).
@@ -31,6 +34,8 @@ const CHUNK_FLAG: u32 = 1 << 31;
 const NONE: u32 = u32::MAX;
 const CLASSES: usize = 13; // caps 2 ..= 8192
 const MIN_BUCKETS: usize = 64;
+/// Buckets a probe examines per step (32 bytes; table sizes are multiples of it).
+const GROUP: usize = 8;
 /// Bits of a bucket for the position at least and at most (the rest carry the key's tag).
 const MIN_POS_BITS: u32 = 20;
 const MAX_POS_BITS: u32 = 27;
@@ -78,6 +83,46 @@ fn prefetch_read(p: *const i8) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+/// For a group of buckets: bit `k` set where bucket `k` is empty, and where its tag
+/// (`bucket >> pos_bits`) is `tag`. SSE2 (the x86_64 baseline): two 4-lane compares each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+fn group_masks(g: &[u32; GROUP], pos_bits: u32, tag: u32) -> (u32, u32) {
+    use core::arch::x86_64::{
+        _mm_castsi128_ps, _mm_cmpeq_epi32, _mm_cvtsi32_si128, _mm_movemask_ps, _mm_set1_epi32, _mm_set_epi32,
+        _mm_setzero_si128, _mm_srl_epi32,
+    };
+    let lane = |k: usize| g[k] as i32;
+    // SAFETY: these intrinsics only compute on values (no memory access); they need SSE2, which
+    // every x86_64 processor has (the target's baseline).
+    unsafe {
+        let lo = _mm_set_epi32(lane(3), lane(2), lane(1), lane(0));
+        let hi = _mm_set_epi32(lane(7), lane(6), lane(5), lane(4));
+        let zero = _mm_setzero_si128();
+        let shift = _mm_cvtsi32_si128(pos_bits as i32);
+        let want = _mm_set1_epi32(tag as i32);
+        let empty = _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(lo, zero))) as u32
+            | (_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(hi, zero))) as u32) << 4;
+        let hit = _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(_mm_srl_epi32(lo, shift), want))) as u32
+            | (_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(_mm_srl_epi32(hi, shift), want))) as u32) << 4;
+        (empty, hit)
+    }
+}
+
+/// For a group of buckets: bit `k` set where bucket `k` is empty, and where its tag
+/// (`bucket >> pos_bits`) is `tag`.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+fn group_masks(g: &[u32; GROUP], pos_bits: u32, tag: u32) -> (u32, u32) {
+    let (mut empty, mut hit) = (0u32, 0u32);
+    for (k, &b) in g.iter().enumerate() {
+        empty |= u32::from(b == 0) << k;
+        hit |= u32::from(b >> pos_bits == tag) << k;
+    }
+    (empty, hit)
 }
 
 /// Grow `v` to hold `extra` more elements by steps of 1.25x (memory follows the contents closely;
@@ -167,26 +212,55 @@ impl BlockStore {
         self.buckets.len()
     }
 
+    /// Bit `k` set where bucket `base + k` of the group at `base` is empty, and where its tag is
+    /// `tag` (an empty bucket may show as a tag match too: callers stop at the first empty).
+    #[inline(always)]
+    fn group_masks(&self, base: usize, tag: u32) -> (u32, u32) {
+        let g: &[u32; GROUP] = match self.buckets[base..base + GROUP].try_into() {
+            Ok(g) => g,
+            Err(_) => unreachable!("a group is GROUP buckets"),
+        };
+        group_masks(g, self.pos_bits, tag)
+    }
+
+    /// Linear probing from `key`'s home, a group of [`GROUP`] buckets per step: `Ok(position)`
+    /// when stored, else `Err(bucket)`, the first empty bucket from the home (where the key
+    /// goes).
+    #[inline(always)]
+    fn probe(&self, key: u64, mix: u64) -> Result<usize, usize> {
+        let pos_bits = self.pos_bits;
+        let tag = tag_of(mix, pos_bits);
+        let home = self.home(mix);
+        let mut base = home & !(GROUP - 1);
+        let mut from = (home - base) as u32;
+        loop {
+            let (empty, hit) = self.group_masks(base, tag);
+            let empty = empty >> from << from;
+            let stop = if empty == 0 { GROUP as u32 } else { empty.trailing_zeros() };
+            let mut hit = (hit >> from << from) & ((1u32 << stop) - 1);
+            while hit != 0 {
+                let b = self.buckets[base + hit.trailing_zeros() as usize];
+                let pos = (b & ((1 << pos_bits) - 1)) as usize - 1;
+                if self.keys[pos] == key {
+                    return Ok(pos);
+                }
+                hit &= hit - 1;
+            }
+            if empty != 0 {
+                return Err(base + stop as usize);
+            }
+            base += GROUP;
+            if base == self.buckets.len() {
+                base = 0;
+            }
+            from = 0;
+        }
+    }
+
     /// The position of `key`, if stored.
     #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<usize> {
-        let mix = mix64(key);
-        let pos_bits = self.pos_bits;
-        let tag = tag_of(mix, pos_bits);
-        let mut i = self.home(mix);
-        loop {
-            let b = self.buckets[i];
-            if b == 0 {
-                return None;
-            }
-            if b >> pos_bits == tag {
-                let pos = (b & ((1 << pos_bits) - 1)) as usize - 1;
-                if self.keys[pos] == key {
-                    return Some(pos);
-                }
-            }
-            i = self.next(i);
-        }
+        self.probe(key, mix64(key)).ok()
     }
 
     /// The position after `pos` when it holds `key` (a chain stored together), else the table's
@@ -404,6 +478,43 @@ impl BlockStore {
         }
     }
 
+    /// The position of `key`, or, when absent, a new position for it at the end of the arena
+    /// holding `head` (one probe for both: the probe that missed ends on the bucket the key
+    /// takes). Returns `(position, born)`; `(None, false)` when the key is new and the arena is
+    /// full ([`MAX_POSITIONS`]).
+    #[inline]
+    pub(crate) fn find_or_insert(&mut self, key: u64, head: u32) -> (Option<usize>, bool) {
+        debug_assert!(head != 0);
+        let mix = mix64(key);
+        let i = match self.probe(key, mix) {
+            Ok(pos) => return (Some(pos), false),
+            Err(i) => i,
+        };
+        let pos = self.keys.len();
+        if pos >= MAX_POSITIONS {
+            return (None, false);
+        }
+        if pos + 2 > 1 << self.pos_bits || (self.len + 1) * 8 > self.buckets.len() * 7 {
+            // The table changes: the probe's bucket is stale.
+            return (self.insert(key, head), true);
+        }
+        self.push(key, head);
+        self.buckets[i] = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
+        (Some(pos), true)
+    }
+
+    /// Append `key` with `head` to the arena (its bucket is the caller's).
+    #[inline]
+    fn push(&mut self, key: u64, head: u32) {
+        reserve_stepped(&mut self.keys, 1);
+        reserve_stepped(&mut self.heads, 1);
+        self.keys.push(key);
+        self.heads.push(0);
+        let pos = self.keys.len() - 1;
+        self.set_head(pos, head);
+        self.len += 1;
+    }
+
     /// Store the new block `key` (absent) with `head`, at the end of the arena. `None` when the
     /// arena is full ([`MAX_POSITIONS`]).
     pub(crate) fn insert(&mut self, key: u64, head: u32) -> Option<usize> {
@@ -421,29 +532,35 @@ impl BlockStore {
             let n = self.buckets.len() + self.buckets.len() / 2;
             self.rebuild(n);
         }
-        reserve_stepped(&mut self.keys, 1);
-        reserve_stepped(&mut self.heads, 1);
-        self.keys.push(key);
-        self.heads.push(0);
-        self.set_head(pos, head);
+        self.push(key, head);
         self.place(key, pos);
-        self.len += 1;
         Some(pos)
     }
 
     fn place(&mut self, key: u64, pos: usize) {
         let mix = mix64(key);
-        let mut i = self.home(mix);
-        while self.buckets[i] != 0 {
-            i = self.next(i);
-        }
+        let home = self.home(mix);
+        let mut base = home & !(GROUP - 1);
+        let mut from = (home - base) as u32;
+        let i = loop {
+            let (empty, _) = self.group_masks(base, 0);
+            let empty = empty >> from << from;
+            if empty != 0 {
+                break base + empty.trailing_zeros() as usize;
+            }
+            base += GROUP;
+            if base == self.buckets.len() {
+                base = 0;
+            }
+            from = 0;
+        };
         self.buckets[i] = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
     }
 
     /// Rebuild the table with `n` buckets from the arena.
     fn rebuild(&mut self, n: usize) {
         self.buckets = Vec::new();
-        self.buckets = vec![0; n.max(MIN_BUCKETS)];
+        self.buckets = vec![0; n.max(MIN_BUCKETS).next_multiple_of(GROUP)];
         // Homes a few positions ahead are prefetched: a large table's misses then overlap.
         const AHEAD: usize = 16;
         let prefetch = self.buckets.len() >= 1 << 16;
