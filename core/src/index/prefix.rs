@@ -20,6 +20,7 @@ const TIERS: u32 = GPU | CPU | STORAGE;
 const SLOT_SHIFT: u32 = 19;
 /// The record's flag bits (speculative and the three tiers) start here.
 const FLAGS_SHIFT: u32 = SPEC.trailing_zeros();
+const _: () = assert!(TIERS >> FLAGS_SHIFT == 0b1110 && SPEC >> FLAGS_SHIFT == 1);
 /// Largest slot number a record can carry.
 pub const MAX_SLOTS: usize = 1 << 12;
 const SWEEP_DIVISOR: usize = 16_384;
@@ -300,13 +301,10 @@ fn credit_all(recs: &[u32], gens: &[u32], w: &MatchWeights, k: u32, out: &mut Pr
     let (blocks, weighted, confirmed) = (&mut out.blocks[..n], &mut out.weighted[..n], &mut out.confirmed[..n]);
     // What a record adds, by its flag bits (the same products as `w.of(r) * k`).
     let kf = f64::from(k);
-    let mut add_weighted = [0.0; 16];
-    let mut add_confirmed = [0u32; 16];
-    for flags in 0..16 {
-        let rec = (flags as u32) << FLAGS_SHIFT;
-        add_weighted[flags] = w.of(rec) * kf;
-        add_confirmed[flags] = if rec & TIERS == 0 { 0 } else { k };
-    }
+    let add_weighted: [f64; 16] = std::array::from_fn(|flags| w.by_flags[flags] * kf);
+    // Flags with a tier bit (all but speculative-only) are confirmed.
+    let add_confirmed: [u32; 16] =
+        std::array::from_fn(|flags| if (flags as u32) << FLAGS_SHIFT & TIERS == 0 { 0 } else { k });
     for &r in recs {
         let i = rec_slot(r);
         // Every record's slot is below `n`; the test lets the indexing below go unchecked.

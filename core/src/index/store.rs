@@ -506,12 +506,13 @@ impl BlockStore {
     /// Append `key` with `head` to the arena (its bucket is the caller's).
     #[inline]
     fn push(&mut self, key: u64, head: u32) {
-        reserve_stepped(&mut self.keys, 1);
-        reserve_stepped(&mut self.heads, 1);
+        if self.keys.len() == self.keys.capacity() || self.heads.len() == self.heads.capacity() {
+            reserve_stepped(&mut self.keys, 1);
+            reserve_stepped(&mut self.heads, 1);
+        }
+        self.retain(head);
         self.keys.push(key);
-        self.heads.push(0);
-        let pos = self.keys.len() - 1;
-        self.set_head(pos, head);
+        self.heads.push(head);
         self.len += 1;
     }
 
