@@ -317,6 +317,29 @@ fn credit_all(recs: &[u32], gens: &[u32], w: &MatchWeights, k: u32, out: &mut Pr
     }
 }
 
+/// How many leading entries of `stored` equal those of `keys` with `heads` all `head`: four
+/// compared per step without a branch between them, then one by one.
+#[inline]
+fn same_run(stored: &[u64], heads: &[u32], keys: &[u64], head: u32) -> usize {
+    let m = stored.len().min(heads.len()).min(keys.len());
+    let (stored, heads, keys) = (&stored[..m], &heads[..m], &keys[..m]);
+    let mut run = 0;
+    for ((s, h), k) in stored.chunks_exact(4).zip(heads.chunks_exact(4)).zip(keys.chunks_exact(4)) {
+        let same = (s[0] == k[0]) & (s[1] == k[1]) & (s[2] == k[2]) & (s[3] == k[3]);
+        let held = (h[0] == head) & (h[1] == head) & (h[2] == head) & (h[3] == head);
+        if !(same & held) {
+            break;
+        }
+        run += 4;
+    }
+    run + stored[run..]
+        .iter()
+        .zip(&heads[run..])
+        .zip(&keys[run..])
+        .take_while(|((&s, &h), &k)| s == k && h == head)
+        .count()
+}
+
 /// Every set bit of `word` (word `index` of a slot bit set), as a slot number.
 #[inline]
 fn bits(index: usize, mut word: u64) -> impl Iterator<Item = usize> {
@@ -1078,12 +1101,7 @@ impl PrefixIndex {
         while pristine || alive.iter().any(|&a| a != 0) {
             // The blocks stored after this one, as long as they are the request's next blocks
             // with the same holders: one compare of the key and one of the head each.
-            let run = arena_keys[pos + 1..]
-                .iter()
-                .zip(&arena_heads[pos + 1..])
-                .zip(&rest[j..])
-                .take_while(|((&stored, &head), &key)| stored == key && head == prev)
-                .count();
+            let run = same_run(&arena_keys[pos + 1..], &arena_heads[pos + 1..], &rest[j..], prev);
             pos += run;
             j += run;
             k += run as u32;
