@@ -7,7 +7,7 @@
 //! Envoy's hostcalls leave them untouched on error). The calls are counted per import for every
 //! VM of the host ([`crate::Host::hostcall_count`]), whether faulted or not.
 
-use std::collections::HashMap;
+use crate::fast_map::FastMap;
 
 use crate::abi::Status;
 
@@ -110,9 +110,9 @@ struct Armed {
 /// The host's faults and call counts.
 #[derive(Debug, Default)]
 pub(crate) struct Faults {
-    armed: HashMap<&'static str, Armed>,
-    calls: HashMap<&'static str, u64>,
-    fired: HashMap<&'static str, u64>,
+    armed: FastMap<&'static str, Armed>,
+    calls: FastMap<&'static str, u64>,
+    fired: FastMap<&'static str, u64>,
 }
 
 impl Faults {
