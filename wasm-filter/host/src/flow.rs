@@ -53,7 +53,12 @@ impl Flow {
 
     fn forward_body(&mut self) {
         let pending = std::mem::take(&mut self.pending);
-        self.out_body.extend_from_slice(&pending);
+        if self.out_body.is_empty() {
+            // The whole body so far: it moves on as is (no copy).
+            self.out_body = pending;
+        } else {
+            self.out_body.extend_from_slice(&pending);
+        }
         self.body_paused = false;
     }
 

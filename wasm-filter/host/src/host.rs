@@ -15,6 +15,7 @@ use wasmtime::{
 
 use crate::abi::{Action, LogLevel};
 use crate::error::HostError;
+use crate::fast_map::FastMap;
 use crate::faults::{Fault, Faults};
 use crate::state::{AfterCall, ClusterHandler, Context, Event, History, MetricKind, RootCtx, Shared, Timed, VmState};
 use crate::types::{
@@ -123,14 +124,14 @@ impl HostBuilder {
             logs: History::new(self.history_cap),
             violations: History::new(self.history_cap),
             callouts: History::new(self.history_cap),
-            shared_data: HashMap::new(),
+            shared_data: FastMap::default(),
             next_cas: 1,
-            forced_cas_mismatch: HashMap::new(),
-            queues: HashMap::new(),
-            queue_tokens: HashMap::new(),
+            forced_cas_mismatch: FastMap::default(),
+            queues: FastMap::default(),
+            queue_tokens: FastMap::default(),
             next_queue_token: 1,
             clusters: self.clusters.into_iter().collect(),
-            metrics: HashMap::new(),
+            metrics: FastMap::default(),
             histogram_cap: self.history_cap,
             random_state: self.random_seed | 1,
             faults: crate::faults::Faults::default(),
@@ -346,14 +347,14 @@ impl Host {
             initializing: false,
             current: 0,
             effective: 0,
-            contexts: HashMap::new(),
+            contexts: FastMap::default(),
             next_context_id: 1,
             next_http_token: 1,
             after_call: Vec::new(),
             stop_next_iteration: false,
             pending_done: Vec::new(),
             call_response: None,
-            metric_ids: HashMap::new(),
+            metric_ids: FastMap::default(),
             next_metric_id: [0, 1, 2],
             allow_on_headers_stop_iteration: config.allow_on_headers_stop_iteration,
             fail_open: config.fail_open,

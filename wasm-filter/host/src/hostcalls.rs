@@ -203,6 +203,52 @@ fn writable(caller: &C<'_>, ptr: i32, len: i32) -> bool {
     range(ptr, len).is_some_and(|(_, end)| end <= memory.data_size(caller))
 }
 
+/// [`copy_out`] of bytes the VM's state holds: `data(state)` is copied straight into the guest's
+/// allocation (no host-side copy first). `Err(status)` from `data`: answered as is, nothing
+/// allocated.
+fn copy_out_from(
+    caller: &mut C<'_>,
+    ptr_ptr: i32,
+    size_ptr: i32,
+    data: impl Fn(&VmState) -> Result<&[u8], Status>,
+) -> HostResult {
+    let len = match data(caller.data()) {
+        Ok(d) => d.len(),
+        Err(status) => return Ok(status),
+    };
+    if !writable(caller, ptr_ptr, 4) || !writable(caller, size_ptr, 4) {
+        return Ok(Status::InvalidMemoryAccess);
+    }
+    let mut address = 0u32;
+    if len > 0 {
+        let Ok(size) = i32::try_from(len) else { return Ok(Status::InvalidMemoryAccess) };
+        let Some(alloc) = caller.data().alloc.clone() else { return Ok(Status::InvalidMemoryAccess) };
+        let ptr = alloc.call(&mut *caller, size)?;
+        if ptr == 0 {
+            caller.data().violation("proxy_on_memory_allocate", format!("returned 0 for {size} bytes"));
+            return Ok(Status::InvalidMemoryAccess);
+        }
+        let Some(memory) = caller.data().memory else { return Ok(Status::InvalidMemoryAccess) };
+        let (mem, state) = memory.data_and_store_mut(&mut *caller);
+        let copied = match (data(state), range(ptr, size)) {
+            (Ok(src), Some((start, end))) if src.len() == len => {
+                mem.get_mut(start..end).map(|dest| dest.copy_from_slice(src)).is_some()
+            }
+            _ => false,
+        };
+        if !copied {
+            caller
+                .data()
+                .violation("proxy_on_memory_allocate", format!("returned {ptr:#x} for {size} bytes: out of bounds"));
+            return Ok(Status::InvalidMemoryAccess);
+        }
+        address = ptr as u32;
+    }
+    tri!(write_u32(caller, ptr_ptr, address));
+    tri!(write_u32(caller, size_ptr, len as u32));
+    Ok(Status::Ok)
+}
+
 /// Copies `data` into fresh guest memory (from `proxy_on_memory_allocate`) and writes its pointer
 /// and size; empty data is pointer 0, size 0 (as Envoy's `copyToPointerSize`). A trap in the
 /// allocator propagates; a null or out-of-bounds allocation answers `InvalidMemoryAccess`.
@@ -297,39 +343,40 @@ fn body_dir(kind: u32) -> Option<Dir> {
     }
 }
 
-fn buffer_contents(state: &VmState, kind: u32) -> Result<Vec<u8>, Status> {
+fn buffer_contents(state: &VmState, kind: u32) -> Result<&[u8], Status> {
     if kind > abi::buffer::MAX {
         return Err(Status::BadArgument);
     }
     if let Some(dir) = body_dir(kind) {
         let stream = state.stream(state.active_context()).ok_or(Status::NotFound)?;
-        return Ok(stream.flow(dir).pending.clone());
+        return Ok(&stream.flow(dir).pending);
     }
     match kind {
         // a failed call has no response: Envoy's null buffer (NotFound)
         abi::buffer::HTTP_CALL_RESPONSE_BODY => match &state.call_response {
-            Some(Some(response)) => Ok(response.body.clone()),
+            Some(Some(response)) => Ok(&response.body),
             _ => Err(Status::NotFound),
         },
-        abi::buffer::VM_CONFIGURATION => Ok(state.vm_config.clone()),
-        abi::buffer::PLUGIN_CONFIGURATION if state.plugin_config_visible => Ok(state.plugin_config.clone()),
+        abi::buffer::VM_CONFIGURATION => Ok(&state.vm_config),
+        abi::buffer::PLUGIN_CONFIGURATION if state.plugin_config_visible => Ok(&state.plugin_config),
         _ => Err(Status::NotFound),
     }
 }
 
 fn get_buffer_status(caller: &mut C<'_>, kind: i32, len_ptr: i32, flags_ptr: i32) -> HostResult {
-    let data = tri!(buffer_contents(caller.data(), kind as u32));
-    tri!(write_u32(caller, len_ptr, data.len() as u32));
+    let len = tri!(buffer_contents(caller.data(), kind as u32)).len();
+    tri!(write_u32(caller, len_ptr, len as u32));
     tri!(write_u32(caller, flags_ptr, 0));
     Ok(Status::Ok)
 }
 
 fn get_buffer_bytes(caller: &mut C<'_>, kind: i32, start: i32, max: i32, ptr_ptr: i32, size_ptr: i32) -> HostResult {
-    let data = tri!(buffer_contents(caller.data(), kind as u32));
-    let start = start as u32 as usize;
-    let end = start.saturating_add(max as u32 as usize).min(data.len());
-    let slice = data.get(start..end).unwrap_or(&[]);
-    copy_out(caller, slice, ptr_ptr, size_ptr)
+    let (start, max) = (start as u32 as usize, max as u32 as usize);
+    copy_out_from(caller, ptr_ptr, size_ptr, |state| {
+        let data = buffer_contents(state, kind as u32)?;
+        let end = start.saturating_add(max).min(data.len());
+        Ok(data.get(start..end).unwrap_or(&[]))
+    })
 }
 
 fn set_buffer_bytes(caller: &mut C<'_>, kind: i32, start: i32, size: i32, ptr: i32, len: i32) -> HostResult {
@@ -382,7 +429,7 @@ fn headers_dir(kind: u32) -> Option<(Dir, bool)> {
 
 /// The map as readable now; `Ok(None)`: not available (Envoy's null map: get value/size answer
 /// BadArgument, get pairs answers an empty map).
-fn map_for_read(state: &VmState, kind: u32) -> Result<Option<HeaderMap>, Status> {
+fn map_for_read(state: &VmState, kind: u32) -> Result<Option<&HeaderMap>, Status> {
     if kind > abi::map::MAX {
         return Err(Status::BadArgument);
     }
@@ -391,21 +438,21 @@ fn map_for_read(state: &VmState, kind: u32) -> Result<Option<HeaderMap>, Status>
         let flow = stream.flow(dir);
         if trailers {
             if flow.trailers_held {
-                return Ok(flow.trailers.clone());
+                return Ok(flow.trailers.as_ref());
             }
-            return Ok(if stream.in_log { flow.out_trailers.clone() } else { None });
+            return Ok(if stream.in_log { flow.out_trailers.as_ref() } else { None });
         }
         if matches!(flow.headers_state, HeadersState::Held { .. }) && !flow.headers_released {
-            return Ok(Some(flow.headers.clone()));
+            return Ok(Some(&flow.headers));
         }
         if stream.in_log && flow.headers_state != HeadersState::NotReceived {
-            return Ok(Some(flow.out_headers.clone().unwrap_or_else(|| flow.headers.clone())));
+            return Ok(Some(flow.out_headers.as_ref().unwrap_or(&flow.headers)));
         }
         return Ok(None);
     }
     match (kind, &state.call_response) {
-        (abi::map::HTTP_CALL_RESPONSE_HEADERS, Some(Some(r))) => Ok(Some(r.headers.clone())),
-        (abi::map::HTTP_CALL_RESPONSE_TRAILERS, Some(Some(r))) => Ok(Some(r.trailers.clone())),
+        (abi::map::HTTP_CALL_RESPONSE_HEADERS, Some(Some(r))) => Ok(Some(&r.headers)),
+        (abi::map::HTTP_CALL_RESPONSE_TRAILERS, Some(Some(r))) => Ok(Some(&r.trailers)),
         // a failed call has no response maps (Envoy's null map)
         _ => Ok(None),
     }
@@ -455,8 +502,8 @@ fn map_for_write<'a>(state: &'a mut VmState, kind: u32, call: &'static str) -> R
 }
 
 fn get_header_map_pairs(caller: &mut C<'_>, kind: i32, ptr_ptr: i32, size_ptr: i32) -> HostResult {
-    let map = tri!(map_for_read(caller.data(), kind as u32)).unwrap_or_default();
-    copy_out(caller, &map.serialize(), ptr_ptr, size_ptr)
+    let bytes = tri!(map_for_read(caller.data(), kind as u32)).map(HeaderMap::serialize).unwrap_or_default();
+    copy_out(caller, &bytes, ptr_ptr, size_ptr)
 }
 
 fn parse_map(caller: &C<'_>, call: &'static str, bytes: &[u8]) -> HeaderMap {
@@ -496,10 +543,12 @@ fn get_header_map_value(
         );
         return Ok(Status::BadArgument);
     };
-    match map.get_bytes(&key) {
-        Some(value) => copy_out(caller, value, ptr_ptr, size_ptr),
-        None => Ok(Status::NotFound),
+    if map.get_bytes(&key).is_none() {
+        return Ok(Status::NotFound);
     }
+    copy_out_from(caller, ptr_ptr, size_ptr, |state| {
+        map_for_read(state, kind as u32)?.and_then(|m| m.get_bytes(&key)).ok_or(Status::NotFound)
+    })
 }
 
 fn add_header_map_value(caller: &mut C<'_>, kind: i32, kptr: i32, klen: i32, vptr: i32, vlen: i32) -> HostResult {
@@ -591,12 +640,19 @@ fn set_property(caller: &mut C<'_>, pptr: i32, plen: i32, vptr: i32, vlen: i32) 
 
 // ---- shared data ----
 
+/// The guest's bytes at `ptr..ptr + len`, borrowed (no copy).
+fn guest_bytes<'a>(caller: &'a C<'_>, ptr: i32, len: i32) -> Result<&'a [u8], Status> {
+    let memory = caller.data().memory.ok_or(Status::InvalidMemoryAccess)?;
+    let (start, end) = range(ptr, len).ok_or(Status::InvalidMemoryAccess)?;
+    memory.data(caller).get(start..end).ok_or(Status::InvalidMemoryAccess)
+}
+
 fn get_shared_data(caller: &mut C<'_>, kptr: i32, klen: i32, ptr_ptr: i32, size_ptr: i32, cas_ptr: i32) -> HostResult {
-    let key = tri!(read(caller, kptr, klen));
     let found = {
+        let key = tri!(guest_bytes(caller, kptr, klen));
         let state = caller.data();
         let shared = state.shared.borrow();
-        shared.shared_data.get(&state.vm_id).and_then(|m| m.get(&key)).cloned()
+        shared.shared_data.get(&state.vm_id).and_then(|m| m.get(key)).cloned()
     };
     let Some((value, cas)) = found else { return Ok(Status::NotFound) };
     let status = copy_out(caller, &value, ptr_ptr, size_ptr)?;
@@ -608,8 +664,8 @@ fn get_shared_data(caller: &mut C<'_>, kptr: i32, klen: i32, ptr_ptr: i32, size_
 }
 
 fn set_shared_data(caller: &mut C<'_>, kptr: i32, klen: i32, vptr: i32, vlen: i32, cas: i32) -> HostResult {
-    let key = tri!(read(caller, kptr, klen));
-    let value = tri!(read(caller, vptr, vlen));
+    let key = tri!(guest_bytes(caller, kptr, klen));
+    let value = tri!(guest_bytes(caller, vptr, vlen));
     let cas = cas as u32;
     let state = caller.data();
     let mut shared = state.shared.borrow_mut();
@@ -618,7 +674,7 @@ fn set_shared_data(caller: &mut C<'_>, kptr: i32, klen: i32, vptr: i32, vlen: i3
         shared.shared_data.insert(state.vm_id.clone(), Default::default());
     }
     let Some(map) = shared.shared_data.get_mut(&state.vm_id) else { return Ok(Status::InternalFailure) };
-    if let Some(entry) = map.get_mut(&key) {
+    if let Some(entry) = map.get_mut(key) {
         if cas != 0 {
             // A conflicting write injected by the test (Host::force_cas_mismatch): another VM wrote
             // the same value in between, so the stored cas moved on. (The key is built only when
@@ -626,7 +682,7 @@ fn set_shared_data(caller: &mut C<'_>, kptr: i32, klen: i32, vptr: i32, vlen: i3
             let forced = !shared.forced_cas_mismatch.is_empty()
                 && shared
                     .forced_cas_mismatch
-                    .get_mut(&(state.vm_id.clone(), key.clone()))
+                    .get_mut(&(state.vm_id.clone(), key.to_vec()))
                     .filter(|n| **n > 0)
                     .map(|left| *left -= 1)
                     .is_some();
@@ -642,11 +698,14 @@ fn set_shared_data(caller: &mut C<'_>, kptr: i32, klen: i32, vptr: i32, vlen: i3
         }
         let next = shared.next_cas;
         shared.next_cas = next.wrapping_add(1).max(1);
-        *entry = (value, next);
+        // The stored value's buffer is reused.
+        entry.0.clear();
+        entry.0.extend_from_slice(value);
+        entry.1 = next;
     } else {
         let next = shared.next_cas;
         shared.next_cas = next.wrapping_add(1).max(1);
-        map.insert(key, (value, next));
+        map.insert(key.to_vec(), (value.to_vec(), next));
     }
     Ok(Status::Ok)
 }

@@ -226,6 +226,7 @@
 
 pub mod abi;
 mod error;
+mod fast_map;
 mod faults;
 mod filter;
 mod flow;

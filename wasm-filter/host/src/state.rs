@@ -3,17 +3,18 @@
 
 use std::cell::RefCell;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::rc::Rc;
 
 use wasmtime::{Memory, StoreLimits, TypedFunc};
 
 use crate::abi::LogLevel;
+use crate::fast_map::FastMap;
 use crate::headers::HeaderMap;
 use crate::types::{AbiViolation, CalloutReply, CalloutRequest, Dir, LocalReply, LogEntry, Stream, VmId};
 
 /// One vm_id's shared data: key → (value, cas).
-pub(crate) type SharedData = HashMap<Vec<u8>, (Vec<u8>, u32)>;
+pub(crate) type SharedData = FastMap<Vec<u8>, (Vec<u8>, u32)>;
 
 /// A cluster's callout handler.
 pub(crate) type ClusterHandler = Box<dyn FnMut(&CalloutRequest) -> CalloutReply>;
@@ -120,14 +121,14 @@ pub(crate) struct Shared {
     pub(crate) violations: History<AbiViolation>,
     pub(crate) callouts: History<CalloutRequest>,
     /// vm_id → key → (value, cas).
-    pub(crate) shared_data: HashMap<String, SharedData>,
+    pub(crate) shared_data: FastMap<String, SharedData>,
     pub(crate) next_cas: u32,
-    pub(crate) forced_cas_mismatch: HashMap<(String, Vec<u8>), u32>,
-    pub(crate) queues: HashMap<u32, Queue>,
-    pub(crate) queue_tokens: HashMap<(String, Vec<u8>), u32>,
+    pub(crate) forced_cas_mismatch: FastMap<(String, Vec<u8>), u32>,
+    pub(crate) queues: FastMap<u32, Queue>,
+    pub(crate) queue_tokens: FastMap<(String, Vec<u8>), u32>,
     pub(crate) next_queue_token: u32,
-    pub(crate) clusters: HashMap<String, ClusterHandler>,
-    pub(crate) metrics: HashMap<(MetricKind, String), MetricSlot>,
+    pub(crate) clusters: FastMap<String, ClusterHandler>,
+    pub(crate) metrics: FastMap<(MetricKind, String), MetricSlot>,
     pub(crate) histogram_cap: usize,
     pub(crate) random_state: u64,
     /// Injected hostcall faults and per-import call counts.
@@ -218,7 +219,7 @@ pub(crate) struct VmState {
     pub(crate) current: u32,
     /// Set by `proxy_set_effective_context` for the rest of the callback (0: none).
     pub(crate) effective: u32,
-    pub(crate) contexts: HashMap<u32, Context>,
+    pub(crate) contexts: FastMap<u32, Context>,
     pub(crate) next_context_id: u32,
     pub(crate) next_http_token: u32,
     pub(crate) after_call: Vec<AfterCall>,
@@ -228,7 +229,7 @@ pub(crate) struct VmState {
     pub(crate) pending_done: Vec<u32>,
     /// The response being delivered by `proxy_on_http_call_response` (`Some(None)`: failed call).
     pub(crate) call_response: Option<Option<CallResponse>>,
-    pub(crate) metric_ids: HashMap<u32, (MetricKind, String)>,
+    pub(crate) metric_ids: FastMap<u32, (MetricKind, String)>,
     pub(crate) next_metric_id: [u32; 3],
     pub(crate) allow_on_headers_stop_iteration: bool,
     pub(crate) fail_open: bool,

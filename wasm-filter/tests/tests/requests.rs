@@ -243,3 +243,37 @@ fn with_fail_open_disabled_unroutable_requests_get_the_configured_status() {
     assert_eq!(stat(&page, "kvroute_wasm_rejected_total"), Some(1.0));
     assert_clean(&host, &[vm]);
 }
+
+#[test]
+fn a_routed_request_costs_a_fixed_number_of_host_calls() {
+    // One VM, flow control off, nothing else appending: per request the headers are read once,
+    // the body once, the clock once (the completion reuses it), and the shared log costs six
+    // calls: the poll reads `head`; the effect claims it (CAS) and writes its slot; the
+    // completion reads `head`, claims it and writes its slot. A call more on this path shows here.
+    let (mut host, vm, _) =
+        start(&json!({}), &[(A, "decode"), (B, "decode")], &json!({"debug_decision_header": false}));
+    let imports = [
+        "proxy_get_header_map_pairs",
+        "proxy_get_buffer_bytes",
+        "proxy_get_current_time_nanoseconds",
+        "proxy_get_shared_data",
+        "proxy_set_shared_data",
+    ];
+    let counts = |h: &Host| imports.map(|c| h.hostcall_count(c));
+    // Warm-up: the first request reads the log from its start.
+    let (s, o) = route(&mut host, vm, br#"{"model": "m", "prompt": "warm up"}"#, &[]).unwrap();
+    assert!(o.destination().is_some());
+    host.finish_stream(s).unwrap();
+    let before = counts(&host);
+    const N: u64 = 20;
+    for i in 0..N {
+        let body = json!({"model": "m", "prompt": format!("request {i} ").repeat(50)}).to_string();
+        let (s, o) = route(&mut host, vm, body.as_bytes(), &[]).unwrap();
+        assert!(o.destination().is_some());
+        host.finish_stream(s).unwrap();
+    }
+    let per_request: Vec<f64> =
+        counts(&host).iter().zip(before).map(|(after, before)| (after - before) as f64 / N as f64).collect();
+    assert_eq!(per_request, [1.0, 1.0, 1.0, 2.0, 4.0], "per request: {imports:?}");
+    assert_clean(&host, &[vm]);
+}
