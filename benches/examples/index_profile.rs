@@ -1,0 +1,87 @@
+//! One subject of `--bench peers` alone, for a profiler or an instruction counter: builds
+//! kvroute's precise store from the peers workload (`PeerWorkload`, seed 7, as the bench) and
+//! runs lookups of its 64 probes, printing apply M blocks/s (best of `RUNS` builds, process
+//! CPU time), bytes per membership and µs per lookup (thread CPU time).
+//!
+//! ```text
+//! cargo build --release -p kvroute-benches --example index_profile
+//! W=512 PART=find RUNS=1 ITERS=100000 valgrind --tool=cachegrind --cache-sim=no \
+//!     target/release/examples/index_profile
+//! ```
+//!
+//! Environment: `W` endpoints (64 or 512; default 64), `PART` (`apply`: builds only; `find`:
+//! one build, then lookups; default both), `RUNS` builds (default 5; `find`: 1), `ITERS`
+//! lookups (default 2,000,000).
+#![allow(clippy::print_stdout)]
+
+use std::hint::black_box;
+
+use kvroute::{MatchScratch, MatchWeights, Medium, PrefixIndex, PrefixMatch, RequestKeys, TierWeights};
+use kvroute_benches::indexload::WorkloadShape;
+use kvroute_benches::peerload::PeerWorkload;
+use kvroute_benches::timing::{cpu_time, thread_cpu_time};
+
+fn env(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+fn main() {
+    let w = env("W").unwrap_or(64);
+    let part = std::env::var("PART").unwrap_or_default();
+    let shape = WorkloadShape::for_endpoints(w);
+    let wl = PeerWorkload::generate(&shape, 7, 64);
+    let build = || {
+        let mut ix = PrefixIndex::new(0, shape.capacity_per_endpoint);
+        for e in 0..w {
+            ix.activate(e);
+        }
+        for ev in &wl.events {
+            let (e, _, _, keys) = wl.event(ev);
+            ix.store(keys, e, Medium::Gpu);
+        }
+        ix
+    };
+    let runs = env("RUNS").unwrap_or(if part == "find" { 1 } else { 5 }).max(1);
+    let mut best = f64::MAX;
+    let mut last = None;
+    for _ in 0..runs {
+        drop(last.take());
+        let t = cpu_time();
+        let built = build();
+        best = best.min(cpu_time().saturating_sub(t).as_secs_f64());
+        last = Some(built);
+    }
+    let Some(ix) = last else { return };
+    let st = ix.stats();
+    println!(
+        "W={w} apply {:.2} M blocks/s, {} memberships, {} blocks, {:.2} B/membership",
+        wl.memberships() as f64 / best / 1e6,
+        wl.memberships(),
+        st.keys,
+        st.memory_bytes as f64 / wl.memberships() as f64
+    );
+    if part == "apply" {
+        return;
+    }
+    let probes: Vec<RequestKeys> = wl
+        .probes
+        .iter()
+        .map(|p| RequestKeys {
+            keys: p.keys.clone(),
+            seq_starts: vec![0],
+            anchor: 0,
+            block_tokens: 16,
+            unkeyed_blocks: 0,
+        })
+        .collect();
+    let weights = MatchWeights::new(&TierWeights::default());
+    let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
+    let iters = env("ITERS").unwrap_or(2_000_000).max(1);
+    let t = thread_cpu_time();
+    for i in 0..iters {
+        ix.match_blocks(&probes[i % probes.len()], &weights, &mut out, &mut scratch);
+        black_box(&out);
+    }
+    let d = thread_cpu_time().saturating_sub(t).as_secs_f64();
+    println!("W={w} find-matches {:.3} µs per lookup", d / iters as f64 * 1e6);
+}
