@@ -707,17 +707,7 @@ fn main() {
     for w in ws {
         let shape = WorkloadShape::for_endpoints(w);
         let wl = PeerWorkload::generate(&shape, 7, 64);
-        let probe_keys: Vec<RequestKeys> = wl
-            .probes
-            .iter()
-            .map(|p| RequestKeys {
-                keys: p.keys.clone(),
-                seq_starts: vec![0],
-                anchor: 0,
-                block_tokens: 16,
-                unkeyed_blocks: 0,
-            })
-            .collect();
+        let probe_keys = wl.probe_keys();
         let reference = {
             let mut ix: PrefixIndex = PrefixIndex::new(0, shape.capacity_per_endpoint);
             for e in 0..w {

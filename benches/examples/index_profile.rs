@@ -16,7 +16,7 @@
 
 use std::hint::black_box;
 
-use kvroute::{MatchScratch, MatchWeights, Medium, PrefixIndex, PrefixMatch, RequestKeys, TierWeights};
+use kvroute::{MatchScratch, MatchWeights, Medium, PrefixIndex, PrefixMatch, TierWeights};
 use kvroute_benches::indexload::WorkloadShape;
 use kvroute_benches::peerload::PeerWorkload;
 use kvroute_benches::timing::{cpu_time, thread_cpu_time};
@@ -63,17 +63,7 @@ fn main() {
     if part == "apply" {
         return;
     }
-    let probes: Vec<RequestKeys> = wl
-        .probes
-        .iter()
-        .map(|p| RequestKeys {
-            keys: p.keys.clone(),
-            seq_starts: vec![0],
-            anchor: 0,
-            block_tokens: 16,
-            unkeyed_blocks: 0,
-        })
-        .collect();
+    let probes = wl.probe_keys();
     let weights = MatchWeights::new(&TierWeights::default());
     let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
     let iters = env("ITERS").unwrap_or(2_000_000).max(1);

@@ -167,6 +167,20 @@ impl PeerWorkload {
         PeerWorkload { shape: *shape, placements, events, probes }
     }
 
+    /// kvroute's request keys of each probe (one sequence of its chain keys).
+    pub fn probe_keys(&self) -> Vec<kvroute::RequestKeys> {
+        self.probes
+            .iter()
+            .map(|p| kvroute::RequestKeys {
+                keys: p.keys.clone(),
+                seq_starts: vec![0],
+                anchor: 0,
+                block_tokens: 16,
+                unkeyed_blocks: 0,
+            })
+            .collect()
+    }
+
     /// Blocks of all placed sequences (what an approximate index observes).
     pub fn placed_blocks(&self) -> u64 {
         self.placements.iter().map(|p| p.keys.len() as u64).sum()

@@ -216,6 +216,34 @@ fn copy_out_from(
         Ok(d) => d.len(),
         Err(status) => return Ok(status),
     };
+    copy_out_with(caller, len, ptr_ptr, size_ptr, |caller, ptr, size| {
+        let Some(memory) = caller.data().memory else { return false };
+        let (mem, state) = memory.data_and_store_mut(&mut *caller);
+        match (data(state), range(ptr, size)) {
+            (Ok(src), Some((start, end))) if src.len() == len => {
+                mem.get_mut(start..end).map(|dest| dest.copy_from_slice(src)).is_some()
+            }
+            _ => false,
+        }
+    })
+}
+
+/// Copies `data` into fresh guest memory (from `proxy_on_memory_allocate`) and writes its pointer
+/// and size; empty data is pointer 0, size 0 (as Envoy's `copyToPointerSize`). A trap in the
+/// allocator propagates; a null or out-of-bounds allocation answers `InvalidMemoryAccess`.
+fn copy_out(caller: &mut C<'_>, data: &[u8], ptr_ptr: i32, size_ptr: i32) -> HostResult {
+    copy_out_with(caller, data.len(), ptr_ptr, size_ptr, |caller, ptr, _| write(caller, ptr, data).is_ok())
+}
+
+/// The frame of [`copy_out`]: allocates `len` bytes in the guest, has `fill(caller, ptr, size)`
+/// copy them there (false: out of bounds), then writes the pointer and the size.
+fn copy_out_with(
+    caller: &mut C<'_>,
+    len: usize,
+    ptr_ptr: i32,
+    size_ptr: i32,
+    fill: impl FnOnce(&mut C<'_>, i32, i32) -> bool,
+) -> HostResult {
     if !writable(caller, ptr_ptr, 4) || !writable(caller, size_ptr, 4) {
         return Ok(Status::InvalidMemoryAccess);
     }
@@ -228,15 +256,7 @@ fn copy_out_from(
             caller.data().violation("proxy_on_memory_allocate", format!("returned 0 for {size} bytes"));
             return Ok(Status::InvalidMemoryAccess);
         }
-        let Some(memory) = caller.data().memory else { return Ok(Status::InvalidMemoryAccess) };
-        let (mem, state) = memory.data_and_store_mut(&mut *caller);
-        let copied = match (data(state), range(ptr, size)) {
-            (Ok(src), Some((start, end))) if src.len() == len => {
-                mem.get_mut(start..end).map(|dest| dest.copy_from_slice(src)).is_some()
-            }
-            _ => false,
-        };
-        if !copied {
+        if !fill(caller, ptr, size) {
             caller
                 .data()
                 .violation("proxy_on_memory_allocate", format!("returned {ptr:#x} for {size} bytes: out of bounds"));
@@ -246,35 +266,6 @@ fn copy_out_from(
     }
     tri!(write_u32(caller, ptr_ptr, address));
     tri!(write_u32(caller, size_ptr, len as u32));
-    Ok(Status::Ok)
-}
-
-/// Copies `data` into fresh guest memory (from `proxy_on_memory_allocate`) and writes its pointer
-/// and size; empty data is pointer 0, size 0 (as Envoy's `copyToPointerSize`). A trap in the
-/// allocator propagates; a null or out-of-bounds allocation answers `InvalidMemoryAccess`.
-fn copy_out(caller: &mut C<'_>, data: &[u8], ptr_ptr: i32, size_ptr: i32) -> HostResult {
-    if !writable(caller, ptr_ptr, 4) || !writable(caller, size_ptr, 4) {
-        return Ok(Status::InvalidMemoryAccess);
-    }
-    let mut address = 0u32;
-    if !data.is_empty() {
-        let Ok(size) = i32::try_from(data.len()) else { return Ok(Status::InvalidMemoryAccess) };
-        let Some(alloc) = caller.data().alloc.clone() else { return Ok(Status::InvalidMemoryAccess) };
-        let ptr = alloc.call(&mut *caller, size)?;
-        if ptr == 0 {
-            caller.data().violation("proxy_on_memory_allocate", format!("returned 0 for {size} bytes"));
-            return Ok(Status::InvalidMemoryAccess);
-        }
-        if write(caller, ptr, data).is_err() {
-            caller
-                .data()
-                .violation("proxy_on_memory_allocate", format!("returned {ptr:#x} for {size} bytes: out of bounds"));
-            return Ok(Status::InvalidMemoryAccess);
-        }
-        address = ptr as u32;
-    }
-    tri!(write_u32(caller, ptr_ptr, address));
-    tri!(write_u32(caller, size_ptr, data.len() as u32));
     Ok(Status::Ok)
 }
 
