@@ -45,11 +45,7 @@ mod tests {
             role: Role::Decode,
             healthy: true,
             metrics: m,
-            inflight: 0,
-            inflight_tokens: 0,
-            last_assigned_ms: None,
-            waiting_now: 0,
-            kv_usage_now: 0.0,
+            load: crate::endpoints::Load::default(),
             kv_per_request: 0.0,
             incarnation: 1,
         }

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -100,23 +101,125 @@ pub(crate) struct EndpointState {
     pub role: Role,
     pub healthy: bool,
     pub metrics: Option<MetricsSnapshot>,
-    pub inflight: u32,
-    /// Tokens (input + output budget) of the requests this router has in flight here (requests
-    /// applied from another instance's effect count 0).
-    pub inflight_tokens: u64,
-    /// When a decision last sent a request here (as target or prefill endpoint), this router's
-    /// own or one applied from another instance (`None`: never). Replicated state: instances fed
-    /// the same effects hold the same value.
-    pub last_assigned_ms: Option<u64>,
-    /// The snapshot's waiting queue corrected by the router's own traffic since it was stored
-    /// (`sent` adds one request, `done` takes one off).
-    pub waiting_now: u32,
-    /// The snapshot's KV usage, corrected likewise.
-    pub kv_usage_now: f64,
+    /// What the router's own traffic puts on the endpoint (atomic counters: decisions on several
+    /// threads count requests sent and completed without an exclusive lock).
+    pub load: Load,
     /// KV usage per running request in the latest snapshot that had any running (0: none yet).
     pub kv_per_request: f64,
     /// Changes every time the slot is (re)assigned, so stale references can be detected.
     pub incarnation: u32,
+}
+
+/// `Load::last_assigned_ms` when no request was ever sent.
+const NEVER: u64 = u64::MAX;
+
+/// An endpoint's load as the router's own traffic makes it: per-endpoint atomic counters, changed
+/// through `&self` (relaxed: each is a counter on its own; a decision reads them as they are,
+/// like any state another thread may change a moment later).
+#[derive(Debug)]
+pub(crate) struct Load {
+    /// Requests in flight (router-tracked).
+    inflight: AtomicU32,
+    /// Tokens (input + output budget) of the requests this router has in flight here (requests
+    /// applied from another instance's effect count 0).
+    inflight_tokens: AtomicU64,
+    /// When a decision last sent a request here (as target or prefill endpoint), this router's
+    /// own or one applied from another instance (`NEVER`: never). Replicated state: instances fed
+    /// the same effects hold the same value.
+    last_assigned_ms: AtomicU64,
+    /// The snapshot's waiting queue corrected by the router's own traffic since it was stored
+    /// (`sent` adds one request, `done` takes one off).
+    waiting_now: AtomicU32,
+    /// The snapshot's KV usage, corrected likewise (an `f64`'s bits).
+    kv_usage_now: AtomicU64,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            inflight: AtomicU32::new(0),
+            inflight_tokens: AtomicU64::new(0),
+            last_assigned_ms: AtomicU64::new(NEVER),
+            waiting_now: AtomicU32::new(0),
+            kv_usage_now: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+}
+
+impl Clone for Load {
+    fn clone(&self) -> Self {
+        Load {
+            inflight: AtomicU32::new(self.inflight()),
+            inflight_tokens: AtomicU64::new(self.inflight_tokens()),
+            last_assigned_ms: AtomicU64::new(self.last_assigned_ms.load(Relaxed)),
+            waiting_now: AtomicU32::new(self.waiting_now()),
+            kv_usage_now: AtomicU64::new(self.kv_usage_now().to_bits()),
+        }
+    }
+}
+
+fn update_f64(a: &AtomicU64, f: impl Fn(f64) -> f64) {
+    // The closure always returns `Some`: `fetch_update` cannot fail.
+    let _ = a.fetch_update(Relaxed, Relaxed, |bits| Some(f(f64::from_bits(bits)).to_bits()));
+}
+
+fn update_u32(a: &AtomicU32, f: impl Fn(u32) -> u32) {
+    let _ = a.fetch_update(Relaxed, Relaxed, |v| Some(f(v)));
+}
+
+impl Load {
+    /// Requests in flight here (router-tracked).
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Relaxed)
+    }
+
+    /// Tokens of the requests in flight here.
+    pub fn inflight_tokens(&self) -> u64 {
+        self.inflight_tokens.load(Relaxed)
+    }
+
+    /// When a request was last sent here (`None`: never).
+    pub fn last_assigned_ms(&self) -> Option<u64> {
+        Some(self.last_assigned_ms.load(Relaxed)).filter(|&t| t != NEVER)
+    }
+
+    /// The reported waiting queue corrected by the router's traffic since.
+    pub fn waiting_now(&self) -> u32 {
+        self.waiting_now.load(Relaxed)
+    }
+
+    /// The reported KV usage corrected by the router's traffic since.
+    pub fn kv_usage_now(&self) -> f64 {
+        f64::from_bits(self.kv_usage_now.load(Relaxed))
+    }
+
+    /// A request of `tokens` tokens sent here at `now_ms` is in flight.
+    pub fn track(&self, tokens: u64, now_ms: u64) {
+        update_u32(&self.inflight, |v| v.saturating_add(1));
+        let _ = self.inflight_tokens.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_add(tokens)));
+        // The latest of the times (never `NEVER`, which is above every real time).
+        let _ = self.last_assigned_ms.fetch_update(Relaxed, Relaxed, |t| {
+            Some(if t == NEVER { now_ms.min(NEVER - 1) } else { t.max(now_ms.min(NEVER - 1)) })
+        });
+    }
+
+    /// A request of `tokens` tokens in flight here is no longer.
+    pub fn release(&self, tokens: u64) {
+        update_u32(&self.inflight, |v| v.saturating_sub(1));
+        let _ = self.inflight_tokens.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(tokens)));
+    }
+
+    /// Set the requests in flight outright (tests).
+    #[cfg(test)]
+    pub fn set_requests(&self, requests: u32) {
+        self.inflight.store(requests, Relaxed);
+    }
+
+    /// Set the tokens in flight outright (tests).
+    #[cfg(test)]
+    pub fn set_tokens(&self, tokens: u64) {
+        self.inflight_tokens.store(tokens, Relaxed);
+    }
 }
 
 impl EndpointState {
@@ -125,8 +228,8 @@ impl EndpointState {
         if m.running > 0 {
             self.kv_per_request = m.kv_usage / f64::from(m.running);
         }
-        self.waiting_now = m.waiting;
-        self.kv_usage_now = m.kv_usage;
+        self.load.waiting_now.store(m.waiting, Relaxed);
+        self.load.kv_usage_now.store(m.kv_usage.to_bits(), Relaxed);
         self.metrics = Some(m);
     }
 
@@ -135,15 +238,17 @@ impl EndpointState {
     /// running request, or the last one known). Metrics lag by a scrape interval while the
     /// router's own traffic is known at once; read as they are, a stale report would send every
     /// request between two scrapes to whichever endpoint last reported least.
-    pub(crate) fn sent(&mut self) {
-        self.waiting_now = self.waiting_now.saturating_add(1);
-        self.kv_usage_now = (self.kv_usage_now + self.kv_per_request).min(1.0);
+    pub(crate) fn sent(&self) {
+        update_u32(&self.load.waiting_now, |v| v.saturating_add(1));
+        let share = self.kv_per_request;
+        update_f64(&self.load.kv_usage_now, |u| (u + share).min(1.0));
     }
 
     /// A request here completed (or expired): one request and one share less, never below 0.
-    pub(crate) fn done(&mut self) {
-        self.waiting_now = self.waiting_now.saturating_sub(1);
-        self.kv_usage_now = (self.kv_usage_now - self.kv_per_request).max(0.0);
+    pub(crate) fn done(&self) {
+        update_u32(&self.load.waiting_now, |v| v.saturating_sub(1));
+        let share = self.kv_per_request;
+        update_f64(&self.load.kv_usage_now, |u| (u - share).max(0.0));
     }
 }
 
@@ -234,11 +339,7 @@ impl EndpointTable {
             role: spec.role,
             healthy: true,
             metrics: None,
-            inflight: 0,
-            inflight_tokens: 0,
-            last_assigned_ms: None,
-            waiting_now: 0,
-            kv_usage_now: 0.0,
+            load: Load::default(),
             kv_per_request: 0.0,
             incarnation: self.incarnations,
         });

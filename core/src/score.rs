@@ -108,12 +108,12 @@ pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &Feature
                 }
                 Some(_) => 0.0,
             };
-            (f64::from(ep.waiting_now) / s.queue_reference, ep.kv_usage_now, lora)
+            (f64::from(ep.load.waiting_now()) / s.queue_reference, ep.load.kv_usage_now(), lora)
         }
         None => (0.0, 0.0, 0.0),
     };
     let session = if f.session_here { 1.0 } else { 0.0 };
-    let inflight = f64::from(ep.inflight) / s.inflight_reference;
+    let inflight = f64::from(ep.load.inflight()) / s.inflight_reference;
     let w = &s.weights;
     let total = w.prefix * prefix_hit + w.lora * lora + w.session * session
         - w.queue * queue

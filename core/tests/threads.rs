@@ -132,8 +132,62 @@ fn one_thread_router_decides_as_the_core() {
     }
 }
 
+/// A prompt routed again and again: the decisions' index writes become no-ops, so they book
+/// under the shared lock (`RouterCore::commit_shared`) whenever the clock has not moved since
+/// the last exclusive decision. Alone, a `Router` still decides exactly as a `RouterCore`.
+#[test]
+fn one_thread_router_decides_as_the_core_on_repeated_prompts() {
+    for policy in [HYBRID, APPROX] {
+        let router = setup_router(policy);
+        let mut core = RouterCore::new(Policy::from_json(policy).unwrap());
+        for e in 0..ENDPOINTS {
+            core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+            core.update_metrics(&id(e), metrics(e)).unwrap();
+        }
+        let mut held: Vec<String> = Vec::new();
+        for i in 0..800u64 {
+            // Eight decisions per millisecond; 12 prompts over and over.
+            let now = 1_000 + i / 8;
+            let k = (i * 7) % 12;
+            if i % 97 == 5 {
+                let b = stored(k);
+                let e = id((i as usize / 97) % ENDPOINTS);
+                assert_eq!(
+                    router.apply_batch(&e, &b, None, now).unwrap(),
+                    core.apply_batch(&e, &b, None, now).unwrap()
+                );
+            }
+            let body = body(k);
+            let a = router.route_http(body.as_bytes(), headers(k), now).unwrap();
+            let b = core.route_http(body.as_bytes(), headers(k), now).unwrap();
+            assert_eq!(a, b, "decision {i}");
+            held.push(a.request_id.clone());
+            if held.len() > 2 {
+                let rid = held.remove(0);
+                assert_eq!(router.complete(&rid), core.complete(&rid));
+            }
+        }
+        assert_eq!(router.stats(), core.stats());
+        assert_eq!(router.endpoints(), core.endpoints());
+    }
+}
+
 /// Route + complete from `threads` threads, each keeping a few requests in flight.
 fn hammer(router: &Router, threads: u64, per_thread: u64, clock: &AtomicU64) -> Vec<String> {
+    hammer_with(router, threads, per_thread, clock, 1, |i| i)
+}
+
+/// [`hammer`] where decision `i` routes prompt `prompt(i)` and the time moves by 1 ms every
+/// `per_ms` decisions.
+fn hammer_with(
+    router: &Router,
+    threads: u64,
+    per_thread: u64,
+    clock: &AtomicU64,
+    per_ms: u64,
+    prompt: impl Fn(u64) -> u64 + Sync,
+) -> Vec<String> {
+    let prompt = &prompt;
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
@@ -141,8 +195,8 @@ fn hammer(router: &Router, threads: u64, per_thread: u64, clock: &AtomicU64) -> 
                     let mut ids = Vec::new();
                     let mut held = std::collections::VecDeque::new();
                     for k in 0..per_thread {
-                        let i = t * per_thread + k;
-                        let now = clock.fetch_add(1, Ordering::Relaxed);
+                        let i = prompt(t * per_thread + k);
+                        let now = clock.fetch_add(1, Ordering::Relaxed) / per_ms;
                         let d = router.route_http(body(i).as_bytes(), headers(i), now).unwrap();
                         ids.push(d.request_id.clone());
                         held.push_back(d.request_id);
@@ -179,6 +233,12 @@ fn shared_router_counts_every_decision_once() {
         let clock = AtomicU64::new(1_000);
         let ids = hammer(&router, 4, 300, &clock);
         assert_eq!(ids.len(), 1200);
+        assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 1200, "request ids are unique");
+        assert_settled(&router, 1200);
+        // Repeated prompts, 8 decisions per millisecond: most decisions book under the shared
+        // lock, side by side.
+        let router = setup_router(policy);
+        let ids = hammer_with(&router, 4, 300, &AtomicU64::new(8_000), 8, |i| i % 10);
         assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 1200, "request ids are unique");
         assert_settled(&router, 1200);
     }

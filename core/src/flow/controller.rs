@@ -1061,7 +1061,7 @@ mod tests {
         assert_eq!(c.admit(&ctx, &req("x"), 10, 0), Admission::Admit);
         c.routed();
         let slot = t.slot_of("10.0.0.1:1").unwrap();
-        t.get_mut(slot).unwrap().inflight = 1;
+        t.get_mut(slot).unwrap().load.set_requests(1);
         let ctx = Ctx { policy: p.config(), endpoints: &t };
         let mine1 = c.admit(&ctx, &req("t"), 10, 1).ticket().unwrap();
         let theirs = owner.admit(&ctx, &req("t"), 20, 2).ticket().unwrap();
@@ -1075,7 +1075,7 @@ mod tests {
         // One slot frees: own, replica, own, in arrival order (one per completion).
         let mut order = Vec::new();
         for now in [10, 20, 30] {
-            t.get_mut(slot).unwrap().inflight = 0;
+            t.get_mut(slot).unwrap().load.set_requests(0);
             let ctx = Ctx { policy: p.config(), endpoints: &t };
             c.pump(&ctx, now);
             let rs = drain(&mut c);
@@ -1091,7 +1091,7 @@ mod tests {
             } else {
                 c.routed();
             }
-            t.get_mut(slot).unwrap().inflight = 1;
+            t.get_mut(slot).unwrap().load.set_requests(1);
         }
         assert_eq!(order, vec![mine1, rep, mine2]);
         let k = c.stats(true).counters;
@@ -1105,7 +1105,7 @@ mod tests {
             r#"{"enabled":true,"saturation_detector":{"kind":"concurrency","max_requests_per_endpoint":1},"default_request_ttl_ms":100}"#,
         );
         let slot = t.slot_of("10.0.0.1:1").unwrap();
-        t.get_mut(slot).unwrap().inflight = 1;
+        t.get_mut(slot).unwrap().load.set_requests(1);
         let ctx = Ctx { policy: p.config(), endpoints: &t };
         let mut c = FlowController::new(p.config());
         let r = FlowReplica {

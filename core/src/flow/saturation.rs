@@ -79,16 +79,16 @@ fn endpoint_saturation(detector: &SaturationDetectorConfig, staleness_ms: u64, e
     match detector {
         SaturationDetectorConfig::Utilization { queue_depth_threshold, kv_cache_util_threshold, .. } => {
             match &ep.metrics {
-                Some(m) if now_ms.saturating_sub(m.updated_ms) <= staleness_ms => {
-                    (f64::from(ep.waiting_now) / queue_depth_threshold).max(ep.kv_usage_now / kv_cache_util_threshold)
-                }
+                Some(m) if now_ms.saturating_sub(m.updated_ms) <= staleness_ms => (f64::from(ep.load.waiting_now())
+                    / queue_depth_threshold)
+                    .max(ep.load.kv_usage_now() / kv_cache_util_threshold),
                 // Unknown is not idle: an endpoint we cannot see is assumed full.
                 _ => 1.0,
             }
         }
         SaturationDetectorConfig::Concurrency { max_requests_per_endpoint, max_tokens_per_endpoint } => {
-            let r = max_requests_per_endpoint.map_or(0.0, |m| f64::from(ep.inflight) / f64::from(m));
-            let t = max_tokens_per_endpoint.map_or(0.0, |m| ep.inflight_tokens as f64 / m as f64);
+            let r = max_requests_per_endpoint.map_or(0.0, |m| f64::from(ep.load.inflight()) / f64::from(m));
+            let t = max_tokens_per_endpoint.map_or(0.0, |m| ep.load.inflight_tokens() as f64 / m as f64);
             r.max(t)
         }
     }
@@ -171,9 +171,9 @@ mod tests {
         // (0.4/0.8 + 5/5) / 2
         assert!((s.value() - 0.75).abs() < 1e-12, "{s:?}");
         // Routing a request there raises the estimate at once.
-        set(&mut t, "10.0.0.1:1", EndpointState::sent);
-        set(&mut t, "10.0.0.1:1", EndpointState::sent);
-        set(&mut t, "10.0.0.1:1", EndpointState::sent);
+        set(&mut t, "10.0.0.1:1", |e| e.sent());
+        set(&mut t, "10.0.0.1:1", |e| e.sent());
+        set(&mut t, "10.0.0.1:1", |e| e.sent());
         let s = measure(p.config(), &t, 1000);
         // endpoint 1: max(3/5, (0.4 + 3·0.1)/0.8 = 0.875)
         assert!((s.value() - (0.875 + 1.0) / 2.0).abs() < 1e-12, "{s:?}");
@@ -198,8 +198,14 @@ mod tests {
         )
         .unwrap();
         let mut t = table(&[("10.0.0.1:1", Role::Both), ("10.0.0.2:1", Role::Both)]);
-        set(&mut t, "10.0.0.1:1", |e| (e.inflight, e.inflight_tokens) = (2, 100));
-        set(&mut t, "10.0.0.2:1", |e| (e.inflight, e.inflight_tokens) = (1, 900));
+        set(&mut t, "10.0.0.1:1", |e| {
+            e.load.set_requests(2);
+            e.load.set_tokens(100)
+        });
+        set(&mut t, "10.0.0.2:1", |e| {
+            e.load.set_requests(1);
+            e.load.set_tokens(900)
+        });
         let mut s = measure(p.config(), &t, 0);
         assert!((s.value() - (0.5 + 0.9) / 2.0).abs() < 1e-12, "{s:?}");
         s.add_dispatch(10);
@@ -213,7 +219,7 @@ mod tests {
         )
         .unwrap();
         let mut t = table(&[("10.0.0.1:1", Role::Decode), ("10.0.0.2:1", Role::Prefill)]);
-        set(&mut t, "10.0.0.2:1", |e| e.inflight = 2);
+        set(&mut t, "10.0.0.2:1", |e| e.load.set_requests(2));
         let s = measure(p.config(), &t, 0);
         assert_eq!((s.decode.value, s.prefill.value, s.value()), (0.0, 1.0, 1.0));
         let p = Policy::from_json(

@@ -34,7 +34,7 @@ const NO_POS: u32 = u32::MAX;
 const BORN: u32 = 1 << 31;
 const SWEEP_PER_BIRTH: usize = 4;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 struct SlotState {
     active: bool,
     /// Completed sweep passes when the slot was retired (`None`: never retired since last use).
@@ -665,6 +665,78 @@ impl PrefixIndex {
     /// Record that `slot` now holds every block in `keys` (approximate: assumed on GPU).
     pub fn observe(&mut self, keys: &[BlockKey], slot: usize) {
         self.touch_all(keys, slot, GPU);
+    }
+
+    /// Whether [`PrefixIndex::observe`] of `keys` on `slot` would change nothing: `slot` holds
+    /// every block of `keys` on the GPU under its current generation's stamp (and speculatively on
+    /// none), the call is shorter than a generation piece, the slot owes no generation advance and
+    /// no sweep is pending. Read-only, so a decision's read phase can ask it under a shared lock
+    /// and its write phase skip the observation (a prompt seen again on the same endpoint).
+    pub fn observe_is_noop(&self, keys: &[BlockKey], slot: usize) -> bool {
+        let Some(s) = self.slots.get(slot) else { return false };
+        let current = (s.gen % GENERATIONS) as usize;
+        if !s.active || keys.len() >= s.per_gen as usize || s.counts[current] >= s.per_gen || s.live > s.cap {
+            return false;
+        }
+        if self.sweep_debt > 0 {
+            return false;
+        }
+        let want = ((slot as u32) << SLOT_SHIFT) | (s.gen & STAMP_MASK);
+        self.all_held(keys, slot, |r| r & !TIERS == want && r & GPU != 0)
+    }
+
+    /// Whether [`PrefixIndex::speculate`] of `keys` on `slot` until tick `tick` would change
+    /// nothing: every block is held by `slot` in a tier, or speculatively until `tick` or later.
+    pub fn speculate_is_noop(&self, keys: &[BlockKey], slot: usize, tick: u32) -> bool {
+        if !self.slots.get(slot).is_some_and(|s| s.active) {
+            return false;
+        }
+        let tick = tick & STAMP_MASK;
+        let slots = &self.slots;
+        self.all_held(keys, slot, |r| {
+            is_live(slots, r) && (r & TIERS != 0 || (r & SPEC != 0 && !tick_after(tick, r & STAMP_MASK)))
+        })
+    }
+
+    /// Whether every block of `keys` is stored with a record of `slot` that `accept` takes (the
+    /// walk of the two no-op checks: a chain stored together is taken run by run, and a head is
+    /// judged once for the blocks after it that share it).
+    fn all_held(&self, keys: &[BlockKey], slot: usize, accept: impl Fn(u32) -> bool) -> bool {
+        let heads = self.store.arena().1;
+        let judge = |pos: usize| {
+            heads[pos] != 0 && self.store.records_at(pos).iter().any(|&r| rec_slot(r) == slot && accept(r))
+        };
+        // The last head judged acceptable: blocks sharing it need no second look.
+        let mut accepted: Option<u32> = None;
+        let mut last: Option<usize> = None;
+        let mut i = 0;
+        while i < keys.len() {
+            if let Some(p) = last {
+                let run = self.store.run_after(p, &keys[i..]);
+                for (q, &head) in (p + 1..).zip(&heads[p + 1..p + 1 + run]) {
+                    if accepted != Some(head) {
+                        if !judge(q) {
+                            return false;
+                        }
+                        accepted = Some(head);
+                    }
+                }
+                i += run;
+                if i == keys.len() {
+                    break;
+                }
+            }
+            let Some(p) = self.store.find(keys[i]) else { return false };
+            if accepted != Some(heads[p]) {
+                if !judge(p) {
+                    return false;
+                }
+                accepted = Some(heads[p]);
+            }
+            last = Some(p);
+            i += 1;
+        }
+        true
     }
 
     /// Record that the engine stored `keys` on `slot` in `medium` (this confirms any
@@ -1532,6 +1604,44 @@ mod tests {
         assert_eq!(matches(&ix, &[&[1, 2]]), vec![1, 2]);
     }
 
+    /// Everything an observation or a speculation can change that lookups, counts or later
+    /// evictions read: the slots' generations and counts, the totals, and every slot's holding
+    /// of keys 1..60.
+    type Observable = (Vec<SlotState>, u64, u64, usize, Vec<Vec<Option<Holding>>>);
+
+    fn observable(ix: &PrefixIndex) -> Observable {
+        let holdings = (0..6).map(|s| (1..60).map(|k| ix.holding(k, s)).collect()).collect();
+        (ix.slots.clone(), ix.live_total, ix.spec_total, ix.dups.len(), holdings)
+    }
+
+    #[test]
+    fn an_observation_seen_again_is_a_noop() {
+        let mut ix: PrefixIndex = PrefixIndex::new(0, 1 << 12);
+        ix.activate(0);
+        ix.activate(1);
+        let keys: Vec<u64> = (1..20).collect();
+        assert!(!ix.observe_is_noop(&keys, 0), "new blocks are not a no-op");
+        ix.observe(&keys, 0);
+        assert!(ix.observe_is_noop(&keys, 0));
+        assert!(ix.observe_is_noop(&keys[..5], 0), "a prefix of what is held");
+        assert!(!ix.observe_is_noop(&keys, 1), "held by another slot");
+        assert!(!ix.observe_is_noop(&(1..21).collect::<Vec<_>>(), 0), "one block more");
+        // Held on the CPU only, or speculatively: observing adds the GPU tier.
+        ix.store(&[30, 31], 1, Medium::Cpu);
+        assert!(!ix.observe_is_noop(&[30, 31], 1));
+        ix.speculate(&[40, 41], 1, 5);
+        assert!(!ix.observe_is_noop(&[40, 41], 1));
+        assert!(ix.speculate_is_noop(&[40, 41], 1, 5), "the same tick again");
+        assert!(ix.speculate_is_noop(&[40, 41], 1, 4), "an earlier tick");
+        assert!(!ix.speculate_is_noop(&[40, 41], 1, 6), "a later tick moves the expiry");
+        assert!(ix.speculate_is_noop(&[30, 31], 1, 6), "held in a tier: speculation leaves it");
+        assert!(!ix.speculate_is_noop(&[30, 31, 32], 1, 6), "a new block");
+        // Once the generation moves on, observing again restamps.
+        let filler: Vec<u64> = (1000..1000 + u64::from(ix.slots[0].per_gen)).collect();
+        ix.observe(&filler, 0);
+        assert!(!ix.observe_is_noop(&keys, 0));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -1600,6 +1710,43 @@ mod tests {
                 prop_assert_eq!(ix.charged_memberships(), live + spec, "running totals follow the slots");
                 ix.check_store();
                 prop_assert_eq!(ix.budget_memberships(), u64::from(cap) * active.iter().filter(|&&a| a).count() as u64);
+            }
+        }
+
+        /// The no-op checks never miss a change: whenever `observe_is_noop` (or
+        /// `speculate_is_noop`) says so, the operation leaves everything observable as it was.
+        #[test]
+        fn noop_checks_are_exact(ops in proptest::collection::vec((0u8..17, 0usize..6, 1u64..40, 1usize..12), 1..300)) {
+            let mut ix: PrefixIndex = PrefixIndex::new(0, 128);
+            let mut active = [false; 6];
+            for (op, slot, start, len) in ops {
+                let keys: Vec<u64> = (start..start + len as u64).collect();
+                match op {
+                    0 => { if active[slot] { ix.retire(slot); active[slot] = false; } }
+                    1 => { if !active[slot] { ix.activate(slot); active[slot] = true; } }
+                    10 | 11 => ix.remove(&keys, slot, if op == 10 { Medium::Gpu } else { Medium::Cpu }),
+                    12 => ix.store(&keys, slot, Medium::Cpu),
+                    13 => ix.clear_slot(slot),
+                    14 | 15 => {
+                        let tick = (start as u32) % 7;
+                        let noop = ix.speculate_is_noop(&keys, slot, tick);
+                        let before = observable(&ix);
+                        ix.speculate(&keys, slot, tick);
+                        if noop { prop_assert_eq!(&observable(&ix), &before, "speculation said to be a no-op"); }
+                        if op == 15 { ix.unspeculate(&keys, slot, tick); }
+                    }
+                    16 => ix.collect_all(),
+                    _ => {
+                        if !active[slot] { ix.activate(slot); active[slot] = true; }
+                        // Half the observations repeat a chain observed before on the slot.
+                        let keys: Vec<u64> = if op % 2 == 0 { (1..1 + len as u64).collect() } else { keys };
+                        let noop = ix.observe_is_noop(&keys, slot);
+                        let before = observable(&ix);
+                        ix.observe(&keys, slot);
+                        if noop { prop_assert_eq!(&observable(&ix), &before, "observation said to be a no-op"); }
+                    }
+                }
+                ix.check_store();
             }
         }
     }

@@ -633,6 +633,30 @@ impl KvIndex {
         self.bound_speculation();
     }
 
+    /// Whether [`KvIndex::speculate_from`] with these arguments would change nothing a lookup
+    /// reads, once [`KvIndex::expire`] at `now_ms` is done: every block from `skip` on is already
+    /// held by `slot` in a tier or speculatively until the same tick or later. (Its speculation
+    /// record would then withdraw nothing the earlier one that set those ticks does not; skipping
+    /// it only spares the queue a record.)
+    pub(crate) fn speculation_is_noop(
+        &self,
+        keys: &[BlockKey],
+        skip: usize,
+        slot: usize,
+        expires_ms: u64,
+        now_ms: u64,
+    ) -> bool {
+        let Some(keys) = keys.get(skip..).filter(|k| !k.is_empty()) else { return true };
+        let deadline_ms = self.speculation.deadline(expires_ms, now_ms);
+        deadline_ms <= now_ms || self.blocks.speculate_is_noop(keys, slot, spec_tick(deadline_ms))
+    }
+
+    /// Whether the speculation's clock already reads `now_ms` (so [`KvIndex::expire`] at
+    /// `now_ms`, with nothing due, would change nothing at all).
+    pub(crate) fn clock_reads(&self, now_ms: u64) -> bool {
+        self.speculation.now_ms() == Some(now_ms)
+    }
+
     /// The latest `now` the speculation has seen (a replicated effect's expiry is held to it
     /// plus the TTL).
     pub(crate) fn speculation_now(&self) -> Option<u64> {

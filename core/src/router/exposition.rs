@@ -86,7 +86,7 @@ impl RouterCore {
         let order: Vec<u16> = st.endpoints.order().to_vec();
         for &slot in &order {
             if let Some(ep) = st.endpoints.get(slot) {
-                e.sample("kvroute_inflight_requests", &[("endpoint", &ep.id)], f64::from(ep.inflight));
+                e.sample("kvroute_inflight_requests", &[("endpoint", &ep.id)], f64::from(ep.load.inflight()));
             }
         }
         e.header("kvroute_event_stream_healthy", "gauge", "1 when routing trusts the endpoint's KV-event stream.");

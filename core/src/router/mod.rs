@@ -212,7 +212,7 @@ impl Router {
         match Policy::from_str_auto(text) {
             Ok(p) => Ok(self.reload(p)),
             Err(e) => {
-                self.lock().counters.reload_failures += 1;
+                self.lock().books().counters.reload_failures += 1;
                 Err(e)
             }
         }
@@ -273,6 +273,12 @@ impl Router {
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
         let _deciding = self.deciding();
+        {
+            let core = self.read();
+            if let Some(done) = core.complete_shared(request_id) {
+                return done;
+            }
+        }
         self.lock().complete(request_id)
     }
 
@@ -487,7 +493,7 @@ impl Router {
         let req = match RouteRequest::parse(body, headers, &active.policy.config().request) {
             Ok(r) => r,
             Err(e) => {
-                self.lock().counters.route_errors += 1;
+                self.read().books_shared().counters.route_errors += 1;
                 return Err(e.into());
             }
         };
@@ -535,7 +541,15 @@ impl Router {
         let _deciding = self.deciding();
         let plan = {
             let core = self.read();
-            (!core.maintenance_due(active, now_ms)).then(|| core.plan(active, req, keys, now_ms, s))
+            if core.maintenance_due(active, now_ms) {
+                None
+            } else {
+                let plan = core.plan(active, req, keys, now_ms, s);
+                match core.commit_shared(active, req, keys, plan, now_ms, s) {
+                    Ok(d) => return Ok(d),
+                    Err(plan) => Some(plan),
+                }
+            }
         };
         let mut core = self.lock();
         match plan {

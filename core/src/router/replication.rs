@@ -33,7 +33,7 @@ impl RouterCore {
                 let hi = e.approx_seq_starts.get(i + 1).map_or(e.approx_keys.len(), |&h| h as usize);
                 let Some(seq) = e.approx_keys.get(lo..hi) else { continue };
                 for s in slots.clone() {
-                    self.index.observe(seq, s as usize);
+                    self.index.write().observe(seq, s as usize);
                 }
             }
         }
@@ -41,27 +41,27 @@ impl RouterCore {
             // The expiry is held to this instance's clock plus the TTL (a peer's far-future
             // expiry cannot pin entries here).
             let now = self.kv.speculation_now().unwrap_or(e.now_ms);
-            self.kv.expire(now);
+            self.kv.write().expire(now);
             for (i, s) in slots.enumerate() {
                 let skip = e.precise_skip[i] as usize;
-                self.kv.speculate_from(&e.precise_keys, skip, s as usize, e.speculative_expires_ms, now);
+                self.kv.write().speculate_from(&e.precise_keys, skip, s as usize, e.speculative_expires_ms, now);
             }
         }
         let target = self.endpoints.get(t_slot).map_or(SlotRef { slot: t_slot, incarnation: 0 }, |ep| SlotRef {
             slot: t_slot,
             incarnation: ep.incarnation,
         });
-        if let Some(request_id) = request_id.filter(|id| !self.inflight.contains(id)) {
+        if let Some(request_id) = request_id.filter(|id| !self.books().inflight.contains(id)) {
             let t = self.track(t_slot, e.now_ms, 0);
             let p = p_slot.map(|p| self.track(p, e.now_ms, 0));
-            self.inflight.insert(request_id, t, p, e.now_ms, 0);
+            self.books().inflight.insert(request_id, t, p, e.now_ms, 0);
             let max = self.active.policy.config().limits.max_inflight_requests;
             self.bound_inflight(max);
         }
         if let Some(k) = e.session_key {
-            self.sessions.push(k, target);
+            self.books().sessions.push(k, target);
         }
-        self.counters.effects_applied += 1;
+        self.books().counters.effects_applied += 1;
         Ok(())
     }
 }
@@ -205,7 +205,8 @@ impl RouterCore {
                         }
                         ReplicaEntry::Complete(rid) => {
                             let id = remote_request_id(&batch.replica, batch.epoch, rid);
-                            match self.inflight.remove(&id) {
+                            let removed = self.books().inflight.remove(&id);
+                            match removed {
                                 Some(f) => {
                                     self.release(&f);
                                     out.completions += 1;
@@ -258,7 +259,7 @@ impl RouterCore {
 
     fn drop_remote_inflight(&mut self, replica: &str, epoch: u64) -> u64 {
         let prefix = remote_prefix(replica, epoch);
-        let gone = self.inflight.drain_where(|id| id.starts_with(&prefix));
+        let gone = self.books().inflight.drain_where(|id| id.starts_with(&prefix));
         for f in &gone {
             self.release(f);
         }

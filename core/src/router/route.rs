@@ -15,17 +15,18 @@
 //! 7. **decision** ([`RouterCore::routed`], [`RouterCore::shed`]): the outcome, headers and
 //!    the replication effect.
 
-use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, PoisonError};
 
 use super::inflight::{session_key, SlotRef};
 use super::policy::ActivePolicy;
-use super::state::RouterCore;
+use super::state::{bound_inflight, track, Books, RouterCore};
 use crate::admission;
 use crate::approx::RequestKeys;
 use crate::config::IndexMode;
 use crate::decision::{self, Decision, Judgment, Mode, ModeInputs, Outcome, Rule, Shed, TransferEstimate};
 use crate::effect::RoutingEffect;
-use crate::endpoints::Role;
+use crate::endpoints::{EndpointTable, Role};
 use crate::error::RouteError;
 use crate::index::{MatchScratch, MatchWeights, PrefixMatch};
 use crate::request::RouteRequest;
@@ -131,10 +132,20 @@ pub(crate) struct DecideScratch {
 /// ([`RouterCore::commit`]) to apply. Made under [`RouterCore::epoch`]; a plan from another epoch
 /// (endpoints added, removed or re-roled, health, policy, replication or effects changed in
 /// between) is made again by the write phase.
+///
+/// A routed plan also says whether the decision's index writes (the approximate index's assumed
+/// residency, the precise index's speculation) would change nothing, with the indexes' write
+/// counts it was judged at: the write phase skips them when neither index was written since (a
+/// prompt routed again to the endpoint that holds it), so that the exclusive phase is
+/// book-keeping only.
 pub(crate) struct Plan {
     epoch: u64,
     f: Features,
     outcome: Planned,
+    /// The indexes' write counts when the plan was made.
+    writes: (u64, u64),
+    /// Whether the index writes of a routed plan are no-ops (at `writes`).
+    quiet: bool,
 }
 
 impl Plan {
@@ -197,6 +208,61 @@ struct Booked {
     expires_ms: u64,
 }
 
+/// Blocks of a precise prompt that `slot` already holds in a tier: they need no speculation, so
+/// only the rest of a single-sequence prompt is speculated.
+fn precise_held(keys: &KeyBufs, s: &DecideScratch, slot: u16) -> u32 {
+    if keys.precise.seq_starts.len() == 1 {
+        s.pmatched.confirmed.get(slot as usize).copied().unwrap_or(0)
+    } else {
+        0
+    }
+}
+
+/// Phase 6, the books: what routing the request there changes besides the indexes (the
+/// endpoints' loads, the request in flight, the session, the counters).
+#[allow(clippy::too_many_arguments)]
+fn book(
+    active: &ActivePolicy,
+    endpoints: &EndpointTable,
+    books: &mut Books,
+    keys: &KeyBufs,
+    f: &Features,
+    d: usize,
+    m: &ModeChoice,
+    request_id: &str,
+    now_ms: u64,
+    s: &DecideScratch,
+) -> Booked {
+    let cfg = active.policy.config();
+    let d_slot = s.slots[d];
+    let p_slot = m.prefill.map(|p| s.slots[p]);
+    let target = track(endpoints, d_slot, now_ms, f.tokens);
+    let prefill_ref: Option<SlotRef> = p_slot.map(|p| track(endpoints, p, now_ms, f.tokens));
+    let expires_ms = now_ms.saturating_add(cfg.index.speculative_ttl_ms);
+    let mut precise_skip = [0u32; 2];
+    if f.precise_valid {
+        for (i, slot) in std::iter::once(d_slot).chain(p_slot).enumerate() {
+            precise_skip[i] = precise_held(keys, s, slot);
+        }
+    }
+    books.inflight.insert(request_id, target, prefill_ref, now_ms, f.tokens);
+    bound_inflight(endpoints, books, cfg.limits.max_inflight_requests);
+    if let Some(k) = f.session_key {
+        books.sessions.push(k, target);
+    }
+    let c = &mut books.counters;
+    c.decisions_by_rule[rule_index(m.rule)] += 1;
+    let hit = f.scores[d].prefix_hit;
+    c.routed += 1;
+    c.prefix_hit_sum += hit;
+    for (i, b) in c.prefix_hit_buckets.iter_mut().enumerate() {
+        if hit <= (i + 1) as f64 / 10.0 + 1e-12 {
+            *b += 1;
+        }
+    }
+    Booked { precise_skip, expires_ms }
+}
+
 fn rule_index(rule: Rule) -> usize {
     Rule::ALL.iter().position(|&r| r == rule).unwrap_or(0)
 }
@@ -236,7 +302,7 @@ impl RouterCore {
         match RouteRequest::parse(body, headers, &self.active.policy.config().request) {
             Ok(req) => self.route(&req, now_ms),
             Err(e) => {
-                self.counters.route_errors += 1;
+                self.books().counters.route_errors += 1;
                 Err(e.into())
             }
         }
@@ -276,9 +342,35 @@ impl RouterCore {
     /// The state changes that come due with time before a decision at `now_ms` reads the state:
     /// requests in flight past the timeout are dropped, speculation past its deadline withdrawn.
     pub(crate) fn maintain(&mut self, active: &ActivePolicy, now_ms: u64) {
-        self.last_now_ms = now_ms;
+        self.last_now_ms.store(now_ms, Relaxed);
         self.expire_inflight(now_ms, active.policy.config().limits.inflight_timeout_ms);
         self.kv.expire(now_ms);
+    }
+
+    /// The index writes of routing to roster entries `d` and `prefill` (see [`RouterCore::book`]),
+    /// for the read phase: whether all of them would change nothing.
+    #[allow(clippy::too_many_arguments)]
+    fn writes_are_noops(
+        &self,
+        active: &ActivePolicy,
+        keys: &KeyBufs,
+        f: &Features,
+        d: usize,
+        prefill: Option<usize>,
+        s: &DecideScratch,
+        now_ms: u64,
+    ) -> bool {
+        let expires_ms = now_ms.saturating_add(active.policy.config().index.speculative_ttl_ms);
+        let single = keys.precise.seq_starts.len() == 1;
+        std::iter::once(d).chain(prefill).filter_map(|i| s.slots.get(i)).all(|&slot| {
+            let slot = slot as usize;
+            let approx = !f.approx_valid || keys.approx.sequences().all(|seq| self.index.observe_is_noop(seq, slot));
+            approx
+                && (!f.precise_valid || {
+                    let held = if single { s.pmatched.confirmed.get(slot).copied().unwrap_or(0) } else { 0 };
+                    self.kv.speculation_is_noop(&keys.precise.keys, held as usize, slot, expires_ms, now_ms)
+                })
+        })
     }
 
     /// Whether [`RouterCore::maintain`] at `now_ms` would change what a decision reads (a request
@@ -286,7 +378,8 @@ impl RouterCore {
     /// without it (under a shared lock) and the write phase maintains.
     pub(crate) fn maintenance_due(&self, active: &ActivePolicy, now_ms: u64) -> bool {
         let timeout = active.policy.config().limits.inflight_timeout_ms;
-        self.inflight.oldest_started().is_some_and(|t| now_ms.saturating_sub(t) > timeout) || self.kv.expiry_due(now_ms)
+        self.books_shared().inflight.oldest_started().is_some_and(|t| now_ms.saturating_sub(t) > timeout)
+            || self.kv.expiry_due(now_ms)
     }
 
     /// The state's epoch: bumped by every change after which a [`Plan`] made before cannot be
@@ -321,7 +414,11 @@ impl RouterCore {
                 }
             }
         };
-        Plan { epoch: self.epoch, f, outcome }
+        let quiet = match &outcome {
+            Planned::Route(pick, m) => self.writes_are_noops(active, keys, &f, pick.d, m.prefill, s, now_ms),
+            _ => false,
+        };
+        Plan { epoch: self.epoch, f, outcome, writes: (self.index.writes(), self.kv.writes()), quiet }
     }
 
     /// The write phase (phases 6 and 7 and the counters): applies `plan` (made again first if
@@ -342,28 +439,42 @@ impl RouterCore {
             self.plan(active, req, keys, now_ms, s)
         };
         if keys.tokenize_failed {
-            self.counters.tokenize_errors += 1;
+            self.books().counters.tokenize_errors += 1;
         }
-        self.draws = self.draws.wrapping_add(1);
+        self.draws.fetch_add(1, Relaxed);
+        // Skip the index writes the read phase found to be no-ops, unless an index was written
+        // since (by another thread's decision, events, or `maintain` above).
+        let quiet = plan.quiet && plan.writes == (self.index.writes(), self.kv.writes());
         let Plan { f, outcome, .. } = plan;
         let (pick, m) = match outcome {
             Planned::NoEndpoint => {
-                self.counters.route_errors += 1;
+                self.books().counters.route_errors += 1;
                 return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
             }
             Planned::Shed(pick, shed) => {
-                let request_id = self.ids.assign(&self.inflight, req);
+                let b = self.books();
+                let request_id = b.ids.assign(&b.inflight, req);
                 return Ok(self.shed(active, request_id, f, pick, shed));
             }
             Planned::Route(pick, m) => (pick, m),
         };
-        let request_id = self.ids.assign(&self.inflight, req);
+        let request_id = {
+            let b = self.books();
+            b.ids.assign(&b.inflight, req)
+        };
         if active.policy.config().flow_control.enabled {
             // Flow control owns shedding (the request went through `admit`); one request it
             // released is now routed.
             self.flow.routed();
         }
-        let booked = self.book(active, keys, &f, pick.d, &m, &request_id, now_ms, s);
+        if !quiet {
+            self.write_indexes(active, keys, &f, pick.d, m.prefill, s, now_ms);
+        }
+        let booked = {
+            let RouterCore { endpoints, books, .. } = self;
+            let books = books.get_mut().unwrap_or_else(PoisonError::into_inner);
+            book(active, endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s)
+        };
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
         if let Some(r) = self.replica.as_mut().filter(|r| r.cfg.publish) {
             if let Some(e) = &d.effect {
@@ -404,7 +515,8 @@ impl RouterCore {
             s.pmatched.clear();
         }
         let session_key = session_key(req);
-        let session_ref = session_key.and_then(|k| self.sessions.peek(&k).copied()).filter(|r| self.live_ref(*r));
+        let session_ref =
+            session_key.and_then(|k| self.books_shared().sessions.peek(&k).copied()).filter(|r| self.live_ref(*r));
 
         let per_block = |n: usize| if n == 0 { 0.0 } else { 1.0 / n as f64 };
         let (approx_per_block, precise_per_block) =
@@ -470,10 +582,11 @@ impl RouterCore {
         anchor: u64,
     ) -> Option<usize> {
         let endpoints = &self.endpoints;
-        let last_assigned = |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.last_assigned_ms);
+        let last_assigned =
+            |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.load.last_assigned_ms());
         let picker = &active.policy.config().scoring.picker;
         // The write phase counts this draw (`commit`).
-        let draws = self.draws.wrapping_add(1);
+        let draws = self.draws.load(Relaxed).wrapping_add(1);
         score::pick(picker, &f.roster, &f.scores, cands, anchor, draws, last_assigned)
     }
 
@@ -516,7 +629,7 @@ impl RouterCore {
             decode_hit: d.prefix_hit,
             decode_kv_usage: d.kv_usage,
             decode_cached_tokens: d.cached_tokens,
-            decode_running: d_ep.map_or(0, |e| e.metrics.as_ref().map_or(0, |m| m.running).max(e.inflight)),
+            decode_running: d_ep.map_or(0, |e| e.metrics.as_ref().map_or(0, |m| m.running).max(e.load.inflight())),
             prefill_cached_tokens: prefill.map(|p| f.scores[p].cached_tokens),
         };
         let (mode, rule, transfer) = decision::decide_mode(active.policy.config(), &inputs);
@@ -524,64 +637,98 @@ impl RouterCore {
         ModeChoice { mode, rule, transfer, prefill, relaxed }
     }
 
-    /// Phase 6: what routing the request there changes.
+    /// The write phase under a shared lock ([`Router`](crate::Router)'s decisions): applies
+    /// `plan` exactly as [`RouterCore::commit`] would, when that changes nothing but the
+    /// endpoints' atomic loads and the books (requests in flight, ids, sessions, counters,
+    /// behind their own mutex): the plan is current (same epoch and roster, no index written
+    /// since), it routes, its index writes are no-ops, `maintain` at `now_ms` would change
+    /// nothing, and neither flow control nor replica publishing is on. Otherwise the plan comes
+    /// back for [`RouterCore::commit`] under the exclusive lock.
+    // The plan goes back by value (no allocation on the way to the exclusive lock).
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn commit_shared(
+        &self,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        plan: Plan,
+        now_ms: u64,
+        s: &DecideScratch,
+    ) -> Result<Decision, Plan> {
+        let current = plan.epoch == self.epoch
+            && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster())
+            && plan.quiet
+            && plan.writes == (self.index.writes(), self.kv.writes());
+        let cfg = active.policy.config();
+        if !current
+            || cfg.flow_control.enabled
+            || self.replica.as_ref().is_some_and(|r| r.cfg.publish)
+            || self.maintenance_due(active, now_ms)
+            || !self.kv.clock_reads(now_ms)
+        {
+            return Err(plan);
+        }
+        let Plan { epoch, f, outcome, writes, quiet } = plan;
+        let (pick, m) = match outcome {
+            Planned::Route(pick, m) => (pick, m),
+            outcome => return Err(Plan { epoch, f, outcome, writes, quiet }),
+        };
+        // `maintain` at `now_ms`: only the latest time seen moves.
+        self.last_now_ms.store(now_ms, Relaxed);
+        self.draws.fetch_add(1, Relaxed);
+        let (request_id, booked) = {
+            let mut guard = self.books_shared();
+            let books = &mut *guard;
+            if keys.tokenize_failed {
+                books.counters.tokenize_errors += 1;
+            }
+            let request_id = books.ids.assign(&books.inflight, req);
+            let booked = book(active, &self.endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s);
+            (request_id, booked)
+        };
+        let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
+        if !self.record_effects {
+            d.effect = None;
+        }
+        Ok(d)
+    }
+
+    /// Phase 6, the indexes: the approximate index's assumed residency and the precise index's
+    /// speculation for routing to roster entries `d` and `prefill`.
     #[allow(clippy::too_many_arguments)]
-    fn book(
+    fn write_indexes(
         &mut self,
         active: &ActivePolicy,
         keys: &KeyBufs,
         f: &Features,
         d: usize,
-        m: &ModeChoice,
-        request_id: &str,
-        now_ms: u64,
+        prefill: Option<usize>,
         s: &DecideScratch,
-    ) -> Booked {
-        let cfg = active.policy.config();
+        now_ms: u64,
+    ) {
         let d_slot = s.slots[d];
-        let p_slot = m.prefill.map(|p| s.slots[p]);
-        let target = self.track(d_slot, now_ms, f.tokens);
-        let prefill_ref: Option<SlotRef> = p_slot.map(|p| self.track(p, now_ms, f.tokens));
+        let p_slot = prefill.map(|p| s.slots[p]);
         if f.approx_valid {
+            let index = self.index.write();
             for seq in keys.approx.sequences() {
-                self.index.observe(seq, d_slot as usize);
+                index.observe(seq, d_slot as usize);
                 if let Some(p) = p_slot {
-                    self.index.observe(seq, p as usize);
+                    index.observe(seq, p as usize);
                 }
             }
         }
-        let expires_ms = now_ms.saturating_add(cfg.index.speculative_ttl_ms);
-        let mut precise_skip = [0u32; 2];
         if f.precise_valid {
-            let single = keys.precise.seq_starts.len() == 1;
-            for (i, r) in std::iter::once(target).chain(prefill_ref).enumerate() {
-                // Blocks the endpoint already holds in a tier need no speculation: only the
-                // rest of a single-sequence prompt is speculated.
-                let held = if single { s.pmatched.confirmed.get(r.slot as usize).copied().unwrap_or(0) } else { 0 };
-                precise_skip[i] = held;
-                self.kv.speculate_from(&keys.precise.keys, held as usize, r.slot as usize, expires_ms, now_ms);
+            let expires_ms = now_ms.saturating_add(active.policy.config().index.speculative_ttl_ms);
+            for slot in std::iter::once(d_slot).chain(p_slot) {
+                let held = precise_held(keys, s, slot);
+                self.kv.write().speculate_from(&keys.precise.keys, held as usize, slot as usize, expires_ms, now_ms);
             }
         }
-        self.inflight.insert(request_id, target, prefill_ref, now_ms, f.tokens);
-        self.bound_inflight(cfg.limits.max_inflight_requests);
-        if let Some(k) = f.session_key {
-            self.sessions.push(k, target);
-        }
-        self.counters.decisions_by_rule[rule_index(m.rule)] += 1;
-        let hit = f.scores[d].prefix_hit;
-        self.counters.routed += 1;
-        self.counters.prefix_hit_sum += hit;
-        for (i, b) in self.counters.prefix_hit_buckets.iter_mut().enumerate() {
-            if hit <= (i + 1) as f64 / 10.0 + 1e-12 {
-                *b += 1;
-            }
-        }
-        Booked { precise_skip, expires_ms }
     }
 
     /// Phase 7 (shed): the answer for a request admission refused.
     fn shed(&mut self, active: &ActivePolicy, request_id: String, f: Features, pick: Pick, shed: Shed) -> Decision {
-        self.counters.decisions_by_rule[rule_index(Rule::Shed)] += 1;
+        self.books().counters.decisions_by_rule[rule_index(Rule::Shed)] += 1;
         let d = &f.scores[pick.d];
         Decision {
             request_id,

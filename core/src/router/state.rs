@@ -3,7 +3,8 @@
 //! (`replication.rs`) and the metrics page (`exposition.rs`).
 
 use std::num::NonZeroUsize;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use lru::LruCache;
 use serde::Serialize;
@@ -100,18 +101,22 @@ pub struct EndpointInfo {
 pub struct RouterCore {
     pub(super) active: Arc<ActivePolicy>,
     pub(super) endpoints: EndpointTable,
-    pub(super) index: ApproxIndex,
-    pub(super) kv: KvIndex,
+    /// The approximate index: read through `Deref`, changed through [`Versioned::write`].
+    pub(super) index: Versioned<ApproxIndex>,
+    /// The precise index, likewise.
+    pub(super) kv: Versioned<KvIndex>,
     /// The latest `now` seen (routing or events), for reporting stream health.
-    pub(super) last_now_ms: u64,
-    pub(super) sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
-    pub(super) inflight: InflightTable,
-    pub(super) ids: RequestIds,
-    pub(super) draws: u64,
+    pub(super) last_now_ms: AtomicU64,
+    /// Requests in flight, request ids, sessions and counters: what every decision and
+    /// completion books, behind a mutex of their own so that decisions whose index writes are
+    /// no-ops book under the shared lock (see [`RouterCore::commit_shared`]). Methods that have
+    /// `&mut self` reach it without locking ([`RouterCore::books`]).
+    pub(super) books: Mutex<Books>,
+    /// Picker draws made (the tie-break's randomness).
+    pub(super) draws: AtomicU64,
     pub(super) record_effects: bool,
     /// Replication to other router replicas (`replication.rs`), when enabled.
     pub(super) replica: Option<Box<super::replication::ReplicaState>>,
-    pub(super) counters: RouterCounters,
     /// Flow control (queues, limits, dispatch; `router/flow.rs`).
     pub(super) flow: FlowController,
     #[cfg(feature = "tokenizer")]
@@ -130,7 +135,7 @@ impl std::fmt::Debug for RouterCore {
         f.debug_struct("RouterCore")
             .field("policy_version", &self.active.version)
             .field("endpoints", &self.endpoints.len())
-            .field("inflight", &self.inflight.len())
+            .field("inflight", &self.books_shared().inflight.len())
             .finish_non_exhaustive()
     }
 }
@@ -138,6 +143,51 @@ impl std::fmt::Debug for RouterCore {
 impl Default for RouterCore {
     fn default() -> Self {
         RouterCore::new(Policy::default())
+    }
+}
+
+/// An index and the count of the write accesses to it: a decision's read phase notes the count,
+/// and its write phase knows the index unchanged since when the count is the same (so a write
+/// the read phase found to be a no-op can be skipped). Reads go through `Deref`; the only way to
+/// change the index is [`Versioned::write`], which counts, so no change can go unnoticed.
+pub(super) struct Versioned<T> {
+    inner: T,
+    writes: u64,
+}
+
+impl<T> Versioned<T> {
+    pub(super) fn new(inner: T) -> Self {
+        Versioned { inner, writes: 0 }
+    }
+
+    /// The index, to change it (counted).
+    pub(super) fn write(&mut self) -> &mut T {
+        self.writes = self.writes.wrapping_add(1);
+        &mut self.inner
+    }
+
+    /// Write accesses so far.
+    pub(super) fn writes(&self) -> u64 {
+        self.writes
+    }
+}
+
+impl Versioned<KvIndex> {
+    /// [`KvIndex::expire`], counted as a write only when something is due: otherwise it only
+    /// moves the speculation queue's clock, which neither lookups nor the no-op checks read.
+    pub(super) fn expire(&mut self, now_ms: u64) {
+        if self.inner.expiry_due(now_ms) {
+            self.writes = self.writes.wrapping_add(1);
+        }
+        self.inner.expire(now_ms);
+    }
+}
+
+impl<T> std::ops::Deref for Versioned<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.inner
     }
 }
 
@@ -156,16 +206,18 @@ impl RouterCore {
         let cfg = active.policy.config();
         RouterCore {
             endpoints: EndpointTable::default(),
-            index: ApproxIndex::new(active.fingerprint, active.capacity),
-            kv: KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity),
-            last_now_ms: 0,
-            sessions: LruCache::with_hasher(nz(cfg.limits.session_capacity), Xxh3DefaultBuilder),
-            inflight: InflightTable::new(),
-            ids: RequestIds::new(),
-            draws: 0,
+            index: Versioned::new(ApproxIndex::new(active.fingerprint, active.capacity)),
+            kv: Versioned::new(KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity)),
+            last_now_ms: AtomicU64::new(0),
+            books: Mutex::new(Books {
+                sessions: LruCache::with_hasher(nz(cfg.limits.session_capacity), Xxh3DefaultBuilder),
+                inflight: InflightTable::new(),
+                ids: RequestIds::new(),
+                counters: RouterCounters::default(),
+            }),
+            draws: AtomicU64::new(0),
             record_effects: false,
             replica: None,
-            counters: RouterCounters::default(),
             flow: FlowController::new(cfg),
             #[cfg(feature = "tokenizer")]
             tokenizer: None,
@@ -199,22 +251,22 @@ impl RouterCore {
         self.bump_epoch();
         let new = Arc::new(ActivePolicy::new(policy, self.active.version + 1));
         if new.fingerprint != self.index.fingerprint() {
-            self.index.reset(new.fingerprint);
-            self.counters.index_resets += 1;
+            self.index.write().reset(new.fingerprint);
+            self.books().counters.index_resets += 1;
         }
         if new.capacity != self.active.capacity {
-            self.index.set_capacity(new.capacity);
+            self.index.write().set_capacity(new.capacity);
         }
         let cfg = new.policy.config();
         if new.precise_fingerprint != self.kv.fingerprint() {
-            self.kv.reconfigure(cfg, new.precise_fingerprint);
-            self.counters.index_resets += 1;
+            self.kv.write().reconfigure(cfg, new.precise_fingerprint);
+            self.books().counters.index_resets += 1;
         }
-        self.kv.set_speculative_ttl(cfg.index.speculative_ttl_ms);
-        self.kv.set_capacity(new.precise_capacity, cfg.index.precise.key_map_capacity);
+        self.kv.write().set_speculative_ttl(cfg.index.speculative_ttl_ms);
+        self.kv.write().set_capacity(new.precise_capacity, cfg.index.precise.key_map_capacity);
         self.bound_inflight(cfg.limits.max_inflight_requests);
-        self.sessions.resize(nz(cfg.limits.session_capacity));
-        self.counters.reloads += 1;
+        self.books().sessions.resize(nz(cfg.limits.session_capacity));
+        self.books().counters.reloads += 1;
         self.active = new;
         let RouterCore { flow, endpoints, active, .. } = self;
         flow.reconfigure(&crate::flow::Ctx { policy: active.policy.config(), endpoints });
@@ -227,7 +279,7 @@ impl RouterCore {
         match Policy::from_str_auto(text) {
             Ok(p) => Ok(self.reload(p)),
             Err(e) => {
-                self.counters.reload_failures += 1;
+                self.books().counters.reload_failures += 1;
                 Err(e)
             }
         }
@@ -250,8 +302,8 @@ impl RouterCore {
         }
         let RouterCore { endpoints, index, kv, .. } = self;
         let slot = endpoints.insert(&spec, |s| index.slot_reusable(s) && kv.slot_reusable(s));
-        index.activate(slot as usize);
-        kv.activate(slot as usize);
+        index.write().activate(slot as usize);
+        kv.write().activate(slot as usize);
         Ok(())
     }
 
@@ -260,8 +312,8 @@ impl RouterCore {
     pub fn remove_endpoint(&mut self, id: &str) -> Result<(), StateError> {
         let slot = self.endpoints.remove(id).ok_or_else(|| unknown(id))?;
         self.bump_epoch();
-        self.index.retire(slot as usize);
-        self.kv.retire(slot as usize);
+        self.index.write().retire(slot as usize);
+        self.kv.write().retire(slot as usize);
         Ok(())
     }
 
@@ -309,10 +361,10 @@ impl RouterCore {
                 role: e.role,
                 healthy: e.healthy,
                 metrics: e.metrics.clone(),
-                inflight: e.inflight,
+                inflight: e.load.inflight(),
                 index_memberships: self.index.memberships_of(s as usize),
                 precise_memberships: self.kv.blocks().memberships_of(s as usize),
-                events_healthy: self.kv.healthy(s as usize, self.last_now_ms),
+                events_healthy: self.kv.healthy(s as usize, self.last_now_ms.load(Relaxed)),
             })
             .collect()
     }
@@ -320,7 +372,7 @@ impl RouterCore {
     /// Where to send a request the router could not route (see
     /// [`Router::fail_open_endpoint`](crate::Router::fail_open_endpoint)).
     pub fn fail_open_endpoint(&self) -> Option<Arc<str>> {
-        let load = |e: &&EndpointState| (e.inflight, e.metrics.as_ref().map_or(0, |m| m.waiting));
+        let load = |e: &&EndpointState| (e.load.inflight(), e.metrics.as_ref().map_or(0, |m| m.waiting));
         let tiers: [fn(&EndpointState) -> bool; 3] = [|e| e.healthy && e.role.decodes(), |e| e.healthy, |_| true];
         tiers.iter().find_map(|keep| {
             let all = self.endpoints.order().iter().filter_map(|&s| self.endpoints.get(s));
@@ -330,20 +382,25 @@ impl RouterCore {
 
     /// A snapshot of sizes and counters.
     pub fn stats(&self) -> RouterStats {
+        let (inflight_requests, counters) = {
+            let b = self.books_shared();
+            (b.inflight.len(), b.counters.clone())
+        };
         RouterStats {
             policy_version: self.active.version,
             endpoints: self.endpoints.len(),
-            inflight_requests: self.inflight.len(),
+            inflight_requests,
             index: self.index.stats(),
             precise: self.kv.stats(),
-            counters: self.counters.clone(),
+            counters,
             flow: self.flow.stats(self.active.policy.config().flow_control.enabled),
         }
     }
 
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&mut self, request_id: &str) -> Result<(), StateError> {
-        match self.inflight.remove(request_id) {
+        let removed = self.books().inflight.remove(request_id);
+        match removed {
             Some(f) => {
                 self.release(&f);
                 if let Some(r) = &mut self.replica {
@@ -355,6 +412,23 @@ impl RouterCore {
             }
             None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
         }
+    }
+
+    /// [`RouterCore::complete`] under a shared lock ([`Router`](crate::Router)'s completions):
+    /// `None` (nothing done) when completions are published to replicas, which needs the
+    /// exclusive lock; otherwise the request leaves the books and its endpoints' loads.
+    pub(super) fn complete_shared(&self, request_id: &str) -> Option<Result<(), StateError>> {
+        if self.replica.as_ref().is_some_and(|r| r.cfg.publish) {
+            return None;
+        }
+        let removed = self.books_shared().inflight.remove(request_id);
+        Some(match removed {
+            Some(f) => {
+                self.release(&f);
+                Ok(())
+            }
+            None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
+        })
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine and apply it to the precise
@@ -379,15 +453,16 @@ impl RouterCore {
         now_ms: u64,
     ) -> Result<ApplyOutcome, StateError> {
         let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
-        self.last_now_ms = self.last_now_ms.max(now_ms);
-        self.kv.expire(now_ms);
-        Ok(self.kv.apply_at(slot as usize, batch, seq, now_ms))
+        self.last_now_ms.fetch_max(now_ms, Relaxed);
+        let kv = self.kv.write();
+        kv.expire(now_ms);
+        Ok(kv.apply_at(slot as usize, batch, seq, now_ms))
     }
 
     /// Count a replay attempt of `endpoint`'s event subscriber (for `metrics_text`).
     pub fn record_replay(&mut self, endpoint: &str, ok: bool) -> Result<(), StateError> {
         self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
-        self.kv.record_replay(ok);
+        self.kv.write().record_replay(ok);
         Ok(())
     }
 
@@ -396,7 +471,7 @@ impl RouterCore {
     pub fn resync_stream(&mut self, endpoint: &str, now_ms: u64) -> Result<(), StateError> {
         let recovery = self.active.policy.config().index.precise.stale_recovery_ms;
         let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
-        self.kv.resync(slot as usize, now_ms, recovery);
+        self.kv.write().resync(slot as usize, now_ms, recovery);
         Ok(())
     }
 
@@ -411,36 +486,33 @@ impl RouterCore {
         self.endpoints.slot_of(id).ok_or_else(|| unknown(id))
     }
 
-    pub(super) fn release(&mut self, f: &Inflight) {
-        for r in std::iter::once(f.target).chain(f.prefill) {
-            if let Some(ep) = self.endpoints.get_mut(r.slot) {
-                if ep.incarnation == r.incarnation {
-                    ep.inflight = ep.inflight.saturating_sub(1);
-                    ep.inflight_tokens = ep.inflight_tokens.saturating_sub(f.tokens);
-                    ep.done();
-                }
-            }
-        }
+    /// Requests in flight, request ids, sessions and counters (no locking: `&mut self`).
+    pub(super) fn books(&mut self) -> &mut Books {
+        self.books.get_mut().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The same under `&self` (locks them).
+    pub(super) fn books_shared(&self) -> MutexGuard<'_, Books> {
+        // Nothing panics while holding it; should a bug ever do so, the tables are still
+        // structurally valid, so keep serving.
+        self.books.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(super) fn release(&self, f: &Inflight) {
+        release(&self.endpoints, f);
     }
 
     pub(super) fn expire_inflight(&mut self, now_ms: u64, timeout_ms: u64) {
-        while let Some(f) = self.inflight.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
+        while let Some(f) = self.books().inflight.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
             self.release(&f);
-            self.counters.inflight_expired += 1;
+            self.books().counters.inflight_expired += 1;
         }
     }
 
     /// Keep at most `max` requests in flight, dropping the oldest.
     pub(super) fn bound_inflight(&mut self, max: usize) {
-        while self.inflight.len() > max {
-            match self.inflight.pop_oldest_if(|_| true) {
-                Some(f) => {
-                    self.release(&f);
-                    self.counters.inflight_expired += 1;
-                }
-                None => break,
-            }
-        }
+        let RouterCore { books, endpoints, .. } = self;
+        bound_inflight(endpoints, books.get_mut().unwrap_or_else(PoisonError::into_inner), max);
     }
 
     pub(super) fn live_ref(&self, r: SlotRef) -> bool {
@@ -448,16 +520,52 @@ impl RouterCore {
     }
 
     /// Count a request of `tokens` tokens in flight at `slot`, sent there at `now_ms`.
-    pub(super) fn track(&mut self, slot: u16, now_ms: u64, tokens: u64) -> SlotRef {
-        match self.endpoints.get_mut(slot) {
-            Some(ep) => {
-                ep.inflight = ep.inflight.saturating_add(1);
-                ep.inflight_tokens = ep.inflight_tokens.saturating_add(tokens);
-                ep.sent();
-                ep.last_assigned_ms = Some(ep.last_assigned_ms.map_or(now_ms, |t| t.max(now_ms)));
-                SlotRef { slot, incarnation: ep.incarnation }
+    pub(super) fn track(&self, slot: u16, now_ms: u64, tokens: u64) -> SlotRef {
+        track(&self.endpoints, slot, now_ms, tokens)
+    }
+}
+
+/// What decisions and completions book besides the endpoints' loads (see `RouterCore::books`).
+pub(super) struct Books {
+    pub sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
+    pub inflight: InflightTable,
+    pub ids: RequestIds,
+    pub counters: RouterCounters,
+}
+
+/// Take `f`'s request off its endpoints' loads.
+pub(super) fn release(endpoints: &EndpointTable, f: &Inflight) {
+    for r in std::iter::once(f.target).chain(f.prefill) {
+        if let Some(ep) = endpoints.get(r.slot) {
+            if ep.incarnation == r.incarnation {
+                ep.load.release(f.tokens);
+                ep.done();
             }
-            None => SlotRef { slot, incarnation: 0 },
+        }
+    }
+}
+
+/// Count a request of `tokens` tokens in flight at `slot`, sent there at `now_ms`.
+pub(super) fn track(endpoints: &EndpointTable, slot: u16, now_ms: u64, tokens: u64) -> SlotRef {
+    match endpoints.get(slot) {
+        Some(ep) => {
+            ep.load.track(tokens, now_ms);
+            ep.sent();
+            SlotRef { slot, incarnation: ep.incarnation }
+        }
+        None => SlotRef { slot, incarnation: 0 },
+    }
+}
+
+/// Keep at most `max` requests in flight, dropping the oldest.
+pub(super) fn bound_inflight(endpoints: &EndpointTable, books: &mut Books, max: usize) {
+    while books.inflight.len() > max {
+        match books.inflight.pop_oldest_if(|_| true) {
+            Some(f) => {
+                release(endpoints, &f);
+                books.counters.inflight_expired += 1;
+            }
+            None => break,
         }
     }
 }

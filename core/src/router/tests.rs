@@ -69,7 +69,7 @@ fn a_reused_request_id_costs_o1_probes_per_decision() {
     assert_eq!(ids.len() as u64, n, "every decision got its own id");
     assert!(ids.contains("same") && ids.contains("same~2") && ids.contains(format!("same~{n}").as_str()));
     // One probe per reuse (the unfixed loop probed every earlier suffix: n²/2 in all).
-    assert_eq!(r.lock().ids.probes, n - 1);
+    assert_eq!(r.lock().books().ids.probes, n - 1);
     // A suffix a caller supplied itself is skipped, not reused.
     r.route_http(body, [("x-request-id", format!("same~{}", n + 1).as_str())], n).unwrap();
     let d = r.route_http(body, [("x-request-id", "same")], n + 1).unwrap();
@@ -177,4 +177,58 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     let d = core.commit(&active, &req, &keys, plan, 3, &mut s).unwrap();
     assert_eq!(d.endpoint(), Some(planned_id.as_str()));
     assert_eq!(core.stats().inflight_requests, 1);
+}
+
+/// The write phase books under the shared lock exactly when the plan's index writes are no-ops
+/// and nothing else needs the exclusive lock; otherwise the plan comes back unapplied.
+#[test]
+fn a_repeated_prompt_books_under_the_shared_lock() {
+    let prompt = "z".repeat(256 * 40);
+    let req = RouteRequest::text("m", &prompt);
+    let fresh = RouteRequest::text("m", &"w".repeat(256 * 40));
+    let mut core = RouterCore::default();
+    for id in ["10.0.0.1:8000", "10.0.0.2:8000"] {
+        core.upsert_endpoint(EndpointSpec::new(id, Role::Decode)).unwrap();
+    }
+    let d = core.route(&req, 5).unwrap();
+    core.complete(&d.request_id).unwrap();
+    let active = core.policy().clone();
+    let keys_of = |req: &RouteRequest| {
+        let mut keys = KeyBufs::default();
+        #[cfg(feature = "tokenizer")]
+        prepare_keys(&active, None, req, &mut keys, 5);
+        #[cfg(not(feature = "tokenizer"))]
+        prepare_keys(&active, req, &mut keys, 5);
+        keys
+    };
+    let (keys, fresh_keys) = (keys_of(&req), keys_of(&fresh));
+    let mut s = DecideScratch::default();
+    let before = core.stats();
+
+    // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
+    let plan = core.plan(&active, &req, &keys, 5, &mut s);
+    let shared = core.commit_shared(&active, &req, &keys, plan, 5, &s).unwrap_or_else(|_| panic!("not booked"));
+    assert_eq!(shared.endpoint(), d.endpoint());
+    let after = core.stats();
+    assert_eq!(after.counters.routed, before.counters.routed + 1);
+    assert_eq!(after.inflight_requests, 1);
+    assert_eq!(after.index, before.index, "the index is untouched");
+    core.complete(&shared.request_id).unwrap();
+
+    // A prompt new to the index needs its blocks written: the exclusive lock.
+    let plan = core.plan(&active, &fresh, &fresh_keys, 5, &mut s);
+    let plan = core.commit_shared(&active, &fresh, &fresh_keys, plan, 5, &s).map(|_| ()).expect_err("booked");
+    core.commit(&active, &fresh, &fresh_keys, plan, 5, &mut s).unwrap();
+    // Later in time, the speculation's clock must move first: the exclusive lock once.
+    let plan = core.plan(&active, &req, &keys, 6, &mut s);
+    assert!(core.commit_shared(&active, &req, &keys, plan, 6, &s).is_err());
+    // An index written between the phases: the plan's no-op verdict no longer holds.
+    let plan = core.plan(&active, &req, &keys, 5, &mut s);
+    core.index.write();
+    assert!(core.commit_shared(&active, &req, &keys, plan, 5, &s).is_err());
+    // Flow control routes under the exclusive lock.
+    core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
+    let active = core.policy().clone();
+    let plan = core.plan(&active, &req, &keys, 5, &mut s);
+    assert!(core.commit_shared(&active, &req, &keys, plan, 5, &s).is_err());
 }
