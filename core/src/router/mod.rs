@@ -22,7 +22,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use arc_swap::ArcSwap;
@@ -49,11 +49,18 @@ use route::{prepare_keys, DecideScratch, KeyBufs};
 /// [`Router::reload`] swaps it atomically. Request parsing, block hashing and tokenization happen
 /// outside the lock, into per-thread buffers. The decision then runs in two phases: the read
 /// phase (both index matches, every endpoint's score, the picks, the mode) under the shared
-/// lock, in parallel across threads, into per-thread scratch; the write phase (request id,
-/// in-flight counters, assumed residency, speculation, session, counters) under the exclusive
-/// lock. State another thread changed in between is read as it was when the read phase ran (as
-/// if that change had come a moment later); a change of endpoints, health or policy in between
-/// makes the write phase decide again. One thread alone decides exactly as [`RouterCore`] does.
+/// lock, in parallel across threads, into per-thread scratch; then the write phase (request id,
+/// in-flight counters, assumed residency, speculation, session, counters). When the decision's
+/// index writes are no-ops (the prompt is already held where it goes, as for a conversation's
+/// or a shared system prompt's repeat) and nothing else needs it, the write phase books under
+/// the same shared lock: the endpoints' loads are atomic counters and the requests in flight,
+/// sessions and counters sit behind a mutex of their own, held for a few hundred nanoseconds.
+/// Otherwise (new blocks to write, time-driven expiry due, flow control or replica publishing
+/// on) it runs under the exclusive lock. Completions likewise take the shared lock unless they
+/// are published to replicas. State another thread changed in between is read as it was when
+/// the read phase ran (as if that change had come a moment later); a change of endpoints,
+/// health or policy in between makes the write phase decide again, and an index written in
+/// between makes it write. One thread alone decides exactly as [`RouterCore`] does.
 ///
 /// Event application ([`Router::apply_batch`], [`Router::apply_events`]) gives way to routing:
 /// before it takes the exclusive lock it waits while decisions are under way (for at most
@@ -62,11 +69,10 @@ use route::{prepare_keys, DecideScratch, KeyBufs};
 pub struct Router {
     policy: ArcSwap<ActivePolicy>,
     core: RwLock<RouterCore>,
-    /// Decisions and completions under way (waiting for the lock or holding it; see
-    /// `yield_to_decisions`).
-    deciding: AtomicUsize,
-    /// Decisions and completions finished (bounds how long event application gives way).
-    decided: AtomicU64,
+    /// Decisions under way (waiting for the lock or holding it; low 32 bits) and decisions
+    /// finished (high 32 bits, wrapping; bounds how long event application gives way): one
+    /// word, so a decision costs two atomic operations on it (see `yield_to_decisions`).
+    deciding: AtomicU64,
     /// Turns text and chat prompts into the engine's token ids for the precise index.
     #[cfg(feature = "tokenizer")]
     tokenizer: arc_swap::ArcSwapOption<crate::tokenize::Tokenizer>,
@@ -100,10 +106,13 @@ const EVENT_DEFER_DECISIONS: u64 = 8;
 /// A decision under way (see [`Router::deciding`]).
 struct Deciding<'a>(&'a Router);
 
+/// One decision finished and one fewer under way, in one addition (`DECIDED - 1` never borrows
+/// from the high half: the low half counts this decision).
+const DECIDED: u64 = 1 << 32;
+
 impl Drop for Deciding<'_> {
     fn drop(&mut self) {
-        self.0.deciding.fetch_sub(1, Ordering::Release);
-        self.0.decided.fetch_add(1, Ordering::Relaxed);
+        self.0.deciding.fetch_add(DECIDED - 1, Ordering::Release);
     }
 }
 
@@ -116,8 +125,7 @@ impl From<RouterCore> for Router {
         Router {
             policy: ArcSwap::new(core.policy().clone()),
             core: RwLock::new(core),
-            deciding: AtomicUsize::new(0),
-            decided: AtomicU64::new(0),
+            deciding: AtomicU64::new(0),
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
         }
@@ -145,7 +153,7 @@ impl Router {
         self.core.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Count a decision (or completion) under way until the guard drops.
+    /// Count a decision under way until the guard drops.
     fn deciding(&self) -> Deciding<'_> {
         self.deciding.fetch_add(1, Ordering::Acquire);
         Deciding(self)
@@ -154,11 +162,15 @@ impl Router {
     /// Event application's turn: wait while decisions are under way, for at most
     /// `EVENT_DEFER_DECISIONS` of them to finish.
     fn yield_to_decisions(&self) {
-        let start = self.decided.load(Ordering::Relaxed);
+        let finished = |w: u64| w >> 32;
+        let start = finished(self.deciding.load(Ordering::Relaxed));
         let mut spins = 0u32;
-        while self.deciding.load(Ordering::Acquire) > 0
-            && self.decided.load(Ordering::Relaxed).wrapping_sub(start) < EVENT_DEFER_DECISIONS
-        {
+        loop {
+            let w = self.deciding.load(Ordering::Acquire);
+            let under_way = w & (DECIDED - 1);
+            if under_way == 0 || finished(w).wrapping_sub(start) & 0xffff_ffff >= EVENT_DEFER_DECISIONS {
+                break;
+            }
             if spins < 64 {
                 std::hint::spin_loop();
                 spins += 1;
@@ -272,7 +284,6 @@ impl Router {
 
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
-        let _deciding = self.deciding();
         {
             let core = self.read();
             if let Some(done) = core.complete_shared(request_id) {
