@@ -200,11 +200,11 @@ mod tests {
         let mut t = table(&[("10.0.0.1:1", Role::Both), ("10.0.0.2:1", Role::Both)]);
         set(&mut t, "10.0.0.1:1", |e| {
             e.load.set_requests(2);
-            e.load.set_tokens(100)
+            e.load.set_tokens(100);
         });
         set(&mut t, "10.0.0.2:1", |e| {
             e.load.set_requests(1);
-            e.load.set_tokens(900)
+            e.load.set_tokens(900);
         });
         let mut s = measure(p.config(), &t, 0);
         assert!((s.value() - (0.5 + 0.9) / 2.0).abs() < 1e-12, "{s:?}");

@@ -23,12 +23,13 @@ mod state;
 mod tests;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use arc_swap::ArcSwap;
 
 pub use policy::ActivePolicy;
 pub use replication::ReplicaApplied;
+use state::Books;
 pub use state::{EndpointInfo, RouterCore, RouterCounters, RouterStats};
 
 use crate::config::Policy;
@@ -69,6 +70,11 @@ use route::{prepare_keys, DecideScratch, KeyBufs};
 pub struct Router {
     policy: ArcSwap<ActivePolicy>,
     core: RwLock<RouterCore>,
+    /// The core's books (requests in flight, ids, sessions, counters, draws, time), kept here
+    /// so that decisions and completions can book under the shared lock; [`Router::lock`] puts
+    /// them back into the core for every call under the exclusive one (the core then holds no
+    /// lock of its own). Taken after `core`, never before.
+    books: Mutex<Books>,
     /// Decisions under way (waiting for the lock or holding it; low 32 bits) and decisions
     /// finished (high 32 bits, wrapping; bounds how long event application gives way): one
     /// word, so a decision costs two atomic operations on it (see `yield_to_decisions`).
@@ -120,11 +126,46 @@ std::thread_local! {
     static BUFS: std::cell::Cell<ThreadBufs> = std::cell::Cell::new(ThreadBufs::default());
 }
 
+/// The core under the exclusive lock with its books put back (taken out again on drop).
+struct CoreMut<'a> {
+    core: RwLockWriteGuard<'a, RouterCore>,
+    books: MutexGuard<'a, Books>,
+}
+
+impl<'a> CoreMut<'a> {
+    fn new(mut core: RwLockWriteGuard<'a, RouterCore>, mut books: MutexGuard<'a, Books>) -> Self {
+        std::mem::swap(core.books(), &mut *books);
+        CoreMut { core, books }
+    }
+}
+
+impl Drop for CoreMut<'_> {
+    fn drop(&mut self) {
+        std::mem::swap(self.core.books(), &mut *self.books);
+    }
+}
+
+impl std::ops::Deref for CoreMut<'_> {
+    type Target = RouterCore;
+
+    fn deref(&self) -> &RouterCore {
+        &self.core
+    }
+}
+
+impl std::ops::DerefMut for CoreMut<'_> {
+    fn deref_mut(&mut self) -> &mut RouterCore {
+        &mut self.core
+    }
+}
+
 impl From<RouterCore> for Router {
-    fn from(core: RouterCore) -> Router {
+    fn from(mut core: RouterCore) -> Router {
+        let books = std::mem::replace(core.books(), Books::new(1));
         Router {
             policy: ArcSwap::new(core.policy().clone()),
             core: RwLock::new(core),
+            books: Mutex::new(books),
             deciding: AtomicU64::new(0),
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
@@ -143,14 +184,23 @@ impl Router {
         Policy::from_json(text).map(Router::new)
     }
 
-    fn lock(&self) -> RwLockWriteGuard<'_, RouterCore> {
+    /// The core under the exclusive lock, with its books.
+    fn lock(&self) -> CoreMut<'_> {
         // Nothing in the core panics while holding the lock; should a bug ever do so, the state
         // is still structurally valid, so keep serving rather than poison every later call.
-        self.core.write().unwrap_or_else(PoisonError::into_inner)
+        let core = self.core.write().unwrap_or_else(PoisonError::into_inner);
+        CoreMut::new(core, self.books())
     }
 
+    /// The core under the shared lock, without its books (they are in `self.books`): only for
+    /// calls that do not read them (the decision's and completion's shared paths take both).
     fn read(&self) -> RwLockReadGuard<'_, RouterCore> {
         self.core.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The books (after the core's lock, when both are taken).
+    fn books(&self) -> MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Count a decision under way until the guard drops.
@@ -262,7 +312,8 @@ impl Router {
 
     /// Every endpoint, in id order.
     pub fn endpoints(&self) -> Vec<EndpointInfo> {
-        self.read().endpoints()
+        // Reads the books (the latest time seen).
+        self.lock().endpoints()
     }
 
     /// Where to send a request the router could not route (fail-open), or `None` when no
@@ -279,14 +330,15 @@ impl Router {
 
     /// A snapshot of sizes and counters.
     pub fn stats(&self) -> RouterStats {
-        self.read().stats()
+        // Reads the books (requests in flight, counters).
+        self.lock().stats()
     }
 
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
         {
             let core = self.read();
-            if let Some(done) = core.complete_shared(request_id) {
+            if let Some(done) = core.complete_shared(&mut self.books(), request_id) {
                 return done;
             }
         }
@@ -413,7 +465,8 @@ impl Router {
     /// `kvroute_event_lag_seconds` compares publisher timestamps with `now_ms`, so it is
     /// meaningful when the router's clock is UNIX time (the bindings' default).
     pub fn metrics_text(&self, now_ms: u64) -> String {
-        self.read().metrics_text(now_ms)
+        // Reads the books (counters).
+        self.lock().metrics_text(now_ms)
     }
 
     /// Give up on `endpoint`'s gapped event stream (replay unavailable or too old): its precise
@@ -504,7 +557,7 @@ impl Router {
         let req = match RouteRequest::parse(body, headers, &active.policy.config().request) {
             Ok(r) => r,
             Err(e) => {
-                self.read().books_shared().counters.route_errors += 1;
+                self.books().counters.route_errors += 1;
                 return Err(e.into());
             }
         };
@@ -552,13 +605,18 @@ impl Router {
         let _deciding = self.deciding();
         let plan = {
             let core = self.read();
-            if core.maintenance_due(active, now_ms) {
-                None
-            } else {
-                let plan = core.plan(active, req, keys, now_ms, s);
-                match core.commit_shared(active, req, keys, plan, now_ms, s) {
-                    Ok(d) => return Ok(d),
-                    Err(plan) => Some(plan),
+            let view = {
+                let books = self.books();
+                (!core.maintenance_due_in(&books, active, now_ms)).then(|| books.view(req))
+            };
+            match view {
+                None => None,
+                Some(view) => {
+                    let plan = core.plan_in(view, active, req, keys, now_ms, s);
+                    match core.commit_shared(&mut self.books(), active, req, keys, plan, now_ms, s) {
+                        Ok(d) => return Ok(d),
+                        Err(plan) => Some(plan),
+                    }
                 }
             }
         };

@@ -15,8 +15,7 @@
 //! 7. **decision** ([`RouterCore::routed`], [`RouterCore::shed`]): the outcome, headers and
 //!    the replication effect.
 
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 
 use super::inflight::{session_key, SlotRef};
 use super::policy::ActivePolicy;
@@ -182,6 +181,8 @@ struct Features {
     scores: Vec<EndpointScore>,
     /// Mean saturation of the healthy decode-capable endpoints.
     saturation: f64,
+    /// The picker's draws so far (the tie-break's randomness; the write phase counts this one).
+    draws: u64,
 }
 
 /// The decode endpoint picked.
@@ -206,6 +207,21 @@ struct ModeChoice {
 struct Booked {
     precise_skip: [u32; 2],
     expires_ms: u64,
+}
+
+/// What the read phase reads of the books: the picker's draws and the request's session
+/// affinity (taken from them before the read phase runs).
+#[derive(Clone, Copy)]
+pub(crate) struct BooksView {
+    draws: u64,
+    session: Option<SlotRef>,
+}
+
+impl Books {
+    /// What [`RouterCore::plan`] reads of them for `req`.
+    pub(crate) fn view(&self, req: &RouteRequest) -> BooksView {
+        BooksView { draws: self.draws, session: session_key(req).and_then(|k| self.sessions.peek(&k).copied()) }
+    }
 }
 
 /// Blocks of a precise prompt that `slot` already holds in a tier: they need no speculation, so
@@ -342,7 +358,7 @@ impl RouterCore {
     /// The state changes that come due with time before a decision at `now_ms` reads the state:
     /// requests in flight past the timeout are dropped, speculation past its deadline withdrawn.
     pub(crate) fn maintain(&mut self, active: &ActivePolicy, now_ms: u64) {
-        self.last_now_ms.store(now_ms, Relaxed);
+        self.books.last_now_ms = now_ms;
         self.expire_inflight(now_ms, active.policy.config().limits.inflight_timeout_ms);
         self.kv.expire(now_ms);
     }
@@ -376,9 +392,10 @@ impl RouterCore {
     /// Whether [`RouterCore::maintain`] at `now_ms` would change what a decision reads (a request
     /// in flight to expire, speculation to withdraw). When it would not, the read phase can run
     /// without it (under a shared lock) and the write phase maintains.
-    pub(crate) fn maintenance_due(&self, active: &ActivePolicy, now_ms: u64) -> bool {
+    /// [`RouterCore::maintenance_due`] with `books` (a [`Router`](crate::Router)'s).
+    pub(crate) fn maintenance_due_in(&self, books: &Books, active: &ActivePolicy, now_ms: u64) -> bool {
         let timeout = active.policy.config().limits.inflight_timeout_ms;
-        self.books_shared().inflight.oldest_started().is_some_and(|t| now_ms.saturating_sub(t) > timeout)
+        books.inflight.oldest_started().is_some_and(|t| now_ms.saturating_sub(t) > timeout)
             || self.kv.expiry_due(now_ms)
     }
 
@@ -398,7 +415,21 @@ impl RouterCore {
         now_ms: u64,
         s: &mut DecideScratch,
     ) -> Plan {
-        let f = self.features(active, req, keys, now_ms, s);
+        self.plan_in(self.books.view(req), active, req, keys, now_ms, s)
+    }
+
+    /// [`RouterCore::plan`] with what it reads of the books taken beforehand (a
+    /// [`Router`](crate::Router)'s, whose books are not locked while it plans).
+    pub(crate) fn plan_in(
+        &self,
+        books: BooksView,
+        active: &ActivePolicy,
+        req: &RouteRequest,
+        keys: &KeyBufs,
+        now_ms: u64,
+        s: &mut DecideScratch,
+    ) -> Plan {
+        let f = self.features(books, active, req, keys, now_ms, s);
         let outcome = match self.pick(active, req, keys, &f, s) {
             None => Planned::NoEndpoint,
             Some(pick) => {
@@ -441,7 +472,7 @@ impl RouterCore {
         if keys.tokenize_failed {
             self.books().counters.tokenize_errors += 1;
         }
-        self.draws.fetch_add(1, Relaxed);
+        self.books.draws = self.books.draws.wrapping_add(1);
         // Skip the index writes the read phase found to be no-ops, unless an index was written
         // since (by another thread's decision, events, or `maintain` above).
         let quiet = plan.quiet && plan.writes == (self.index.writes(), self.kv.writes());
@@ -470,11 +501,7 @@ impl RouterCore {
         if !quiet {
             self.write_indexes(active, keys, &f, pick.d, m.prefill, s, now_ms);
         }
-        let booked = {
-            let RouterCore { endpoints, books, .. } = self;
-            let books = books.get_mut().unwrap_or_else(PoisonError::into_inner);
-            book(active, endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s)
-        };
+        let booked = book(active, &self.endpoints, &mut self.books, keys, &f, pick.d, &m, &request_id, now_ms, s);
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
         if let Some(r) = self.replica.as_mut().filter(|r| r.cfg.publish) {
             if let Some(e) = &d.effect {
@@ -490,6 +517,7 @@ impl RouterCore {
     /// Phase 2: expiry, index matches, session, and every endpoint's score breakdown.
     fn features(
         &self,
+        books: BooksView,
         active: &ActivePolicy,
         req: &RouteRequest,
         bufs: &KeyBufs,
@@ -515,8 +543,7 @@ impl RouterCore {
             s.pmatched.clear();
         }
         let session_key = session_key(req);
-        let session_ref =
-            session_key.and_then(|k| self.books_shared().sessions.peek(&k).copied()).filter(|r| self.live_ref(*r));
+        let session_ref = books.session.filter(|r| self.live_ref(*r));
 
         let per_block = |n: usize| if n == 0 { 0.0 } else { 1.0 / n as f64 };
         let (approx_per_block, precise_per_block) =
@@ -568,7 +595,8 @@ impl RouterCore {
         let saturation = if pool_size == 0 { 0.0 } else { saturation_sum / f64::from(pool_size) };
         let output = req.effective_max_tokens().unwrap_or(cfg.flow_control.attained_service.unbounded_output_tokens);
         let tokens = input_tokens.saturating_add(u64::from(output));
-        Features { input_tokens, tokens, session_key, approx_valid, precise_valid, roster, scores, saturation }
+        let draws = books.draws;
+        Features { input_tokens, tokens, session_key, approx_valid, precise_valid, roster, scores, saturation, draws }
     }
 
     /// The picker's choice among `cands` (roster indexes); `salt` separates the decode and
@@ -586,7 +614,7 @@ impl RouterCore {
             |i: usize| slots.get(i).and_then(|&s| endpoints.get(s)).and_then(|e| e.load.last_assigned_ms());
         let picker = &active.policy.config().scoring.picker;
         // The write phase counts this draw (`commit`).
-        let draws = self.draws.load(Relaxed).wrapping_add(1);
+        let draws = f.draws.wrapping_add(1);
         score::pick(picker, &f.roster, &f.scores, cands, anchor, draws, last_assigned)
     }
 
@@ -645,9 +673,10 @@ impl RouterCore {
     /// nothing, and neither flow control nor replica publishing is on. Otherwise the plan comes
     /// back for [`RouterCore::commit`] under the exclusive lock.
     // The plan goes back by value (no allocation on the way to the exclusive lock).
-    #[allow(clippy::result_large_err)]
+    #[allow(clippy::result_large_err, clippy::too_many_arguments)]
     pub(crate) fn commit_shared(
         &self,
+        books: &mut Books,
         active: &ActivePolicy,
         req: &RouteRequest,
         keys: &KeyBufs,
@@ -663,7 +692,7 @@ impl RouterCore {
         if !current
             || cfg.flow_control.enabled
             || self.replica.as_ref().is_some_and(|r| r.cfg.publish)
-            || self.maintenance_due(active, now_ms)
+            || self.maintenance_due_in(books, active, now_ms)
             || !self.kv.clock_reads(now_ms)
         {
             return Err(plan);
@@ -674,18 +703,13 @@ impl RouterCore {
             outcome => return Err(Plan { epoch, f, outcome, writes, quiet }),
         };
         // `maintain` at `now_ms`: only the latest time seen moves.
-        self.last_now_ms.store(now_ms, Relaxed);
-        self.draws.fetch_add(1, Relaxed);
-        let (request_id, booked) = {
-            let mut guard = self.books_shared();
-            let books = &mut *guard;
-            if keys.tokenize_failed {
-                books.counters.tokenize_errors += 1;
-            }
-            let request_id = books.ids.assign(&books.inflight, req);
-            let booked = book(active, &self.endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s);
-            (request_id, booked)
-        };
+        books.last_now_ms = now_ms;
+        books.draws = books.draws.wrapping_add(1);
+        if keys.tokenize_failed {
+            books.counters.tokenize_errors += 1;
+        }
+        let request_id = books.ids.assign(&books.inflight, req);
+        let booked = book(active, &self.endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s);
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
         if !self.record_effects {
             d.effect = None;

@@ -3,8 +3,7 @@
 //! (`replication.rs`) and the metrics page (`exposition.rs`).
 
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use lru::LruCache;
 use serde::Serialize;
@@ -105,15 +104,12 @@ pub struct RouterCore {
     pub(super) index: Versioned<ApproxIndex>,
     /// The precise index, likewise.
     pub(super) kv: Versioned<KvIndex>,
-    /// The latest `now` seen (routing or events), for reporting stream health.
-    pub(super) last_now_ms: AtomicU64,
-    /// Requests in flight, request ids, sessions and counters: what every decision and
-    /// completion books, behind a mutex of their own so that decisions whose index writes are
-    /// no-ops book under the shared lock (see [`RouterCore::commit_shared`]). Methods that have
-    /// `&mut self` reach it without locking ([`RouterCore::books`]).
-    pub(super) books: Mutex<Books>,
-    /// Picker draws made (the tie-break's randomness).
-    pub(super) draws: AtomicU64,
+    /// Requests in flight, request ids, sessions, counters, the picker's draws and the latest
+    /// time seen: what every decision and completion books. A [`Router`](crate::Router) keeps
+    /// them beside the core, under a mutex of its own, so that decisions whose index writes are
+    /// no-ops book under its shared lock ([`RouterCore::commit_shared`]); it puts them back here
+    /// for every call under its exclusive lock.
+    pub(super) books: Books,
     pub(super) record_effects: bool,
     /// Replication to other router replicas (`replication.rs`), when enabled.
     pub(super) replica: Option<Box<super::replication::ReplicaState>>,
@@ -135,7 +131,7 @@ impl std::fmt::Debug for RouterCore {
         f.debug_struct("RouterCore")
             .field("policy_version", &self.active.version)
             .field("endpoints", &self.endpoints.len())
-            .field("inflight", &self.books_shared().inflight.len())
+            .field("inflight", &self.books.inflight.len())
             .finish_non_exhaustive()
     }
 }
@@ -208,14 +204,7 @@ impl RouterCore {
             endpoints: EndpointTable::default(),
             index: Versioned::new(ApproxIndex::new(active.fingerprint, active.capacity)),
             kv: Versioned::new(KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity)),
-            last_now_ms: AtomicU64::new(0),
-            books: Mutex::new(Books {
-                sessions: LruCache::with_hasher(nz(cfg.limits.session_capacity), Xxh3DefaultBuilder),
-                inflight: InflightTable::new(),
-                ids: RequestIds::new(),
-                counters: RouterCounters::default(),
-            }),
-            draws: AtomicU64::new(0),
+            books: Books::new(cfg.limits.session_capacity),
             record_effects: false,
             replica: None,
             flow: FlowController::new(cfg),
@@ -364,7 +353,7 @@ impl RouterCore {
                 inflight: e.load.inflight(),
                 index_memberships: self.index.memberships_of(s as usize),
                 precise_memberships: self.kv.blocks().memberships_of(s as usize),
-                events_healthy: self.kv.healthy(s as usize, self.last_now_ms.load(Relaxed)),
+                events_healthy: self.kv.healthy(s as usize, self.books.last_now_ms),
             })
             .collect()
     }
@@ -383,7 +372,7 @@ impl RouterCore {
     /// A snapshot of sizes and counters.
     pub fn stats(&self) -> RouterStats {
         let (inflight_requests, counters) = {
-            let b = self.books_shared();
+            let b = &self.books;
             (b.inflight.len(), b.counters.clone())
         };
         RouterStats {
@@ -414,14 +403,15 @@ impl RouterCore {
         }
     }
 
-    /// [`RouterCore::complete`] under a shared lock ([`Router`](crate::Router)'s completions):
-    /// `None` (nothing done) when completions are published to replicas, which needs the
-    /// exclusive lock; otherwise the request leaves the books and its endpoints' loads.
-    pub(super) fn complete_shared(&self, request_id: &str) -> Option<Result<(), StateError>> {
+    /// [`RouterCore::complete`] under a shared lock ([`Router`](crate::Router)'s completions, on
+    /// the router's `books`): `None` (nothing done) when completions are published to replicas,
+    /// which needs the exclusive lock; otherwise the request leaves the books and its endpoints'
+    /// loads.
+    pub(super) fn complete_shared(&self, books: &mut Books, request_id: &str) -> Option<Result<(), StateError>> {
         if self.replica.as_ref().is_some_and(|r| r.cfg.publish) {
             return None;
         }
-        let removed = self.books_shared().inflight.remove(request_id);
+        let removed = books.inflight.remove(request_id);
         Some(match removed {
             Some(f) => {
                 self.release(&f);
@@ -453,7 +443,7 @@ impl RouterCore {
         now_ms: u64,
     ) -> Result<ApplyOutcome, StateError> {
         let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
-        self.last_now_ms.fetch_max(now_ms, Relaxed);
+        self.books.last_now_ms = self.books.last_now_ms.max(now_ms);
         let kv = self.kv.write();
         kv.expire(now_ms);
         Ok(kv.apply_at(slot as usize, batch, seq, now_ms))
@@ -486,16 +476,9 @@ impl RouterCore {
         self.endpoints.slot_of(id).ok_or_else(|| unknown(id))
     }
 
-    /// Requests in flight, request ids, sessions and counters (no locking: `&mut self`).
+    /// Requests in flight, request ids, sessions, counters, draws and time.
     pub(super) fn books(&mut self) -> &mut Books {
-        self.books.get_mut().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The same under `&self` (locks them).
-    pub(super) fn books_shared(&self) -> MutexGuard<'_, Books> {
-        // Nothing panics while holding it; should a bug ever do so, the tables are still
-        // structurally valid, so keep serving.
-        self.books.lock().unwrap_or_else(PoisonError::into_inner)
+        &mut self.books
     }
 
     pub(super) fn release(&self, f: &Inflight) {
@@ -512,7 +495,7 @@ impl RouterCore {
     /// Keep at most `max` requests in flight, dropping the oldest.
     pub(super) fn bound_inflight(&mut self, max: usize) {
         let RouterCore { books, endpoints, .. } = self;
-        bound_inflight(endpoints, books.get_mut().unwrap_or_else(PoisonError::into_inner), max);
+        bound_inflight(endpoints, books, max);
     }
 
     pub(super) fn live_ref(&self, r: SlotRef) -> bool {
@@ -525,12 +508,30 @@ impl RouterCore {
     }
 }
 
-/// What decisions and completions book besides the endpoints' loads (see `RouterCore::books`).
-pub(super) struct Books {
-    pub sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
-    pub inflight: InflightTable,
-    pub ids: RequestIds,
-    pub counters: RouterCounters,
+/// What decisions and completions book besides the endpoints' loads and the indexes (see
+/// `RouterCore::books`).
+pub(crate) struct Books {
+    pub(super) sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
+    pub(super) inflight: InflightTable,
+    pub(super) ids: RequestIds,
+    pub(super) counters: RouterCounters,
+    /// Picker draws made (the tie-break's randomness).
+    pub(super) draws: u64,
+    /// The latest `now` seen (routing or events), for reporting stream health.
+    pub(super) last_now_ms: u64,
+}
+
+impl Books {
+    pub(super) fn new(session_capacity: usize) -> Books {
+        Books {
+            sessions: LruCache::with_hasher(nz(session_capacity), Xxh3DefaultBuilder),
+            inflight: InflightTable::new(),
+            ids: RequestIds::new(),
+            counters: RouterCounters::default(),
+            draws: 0,
+            last_now_ms: 0,
+        }
+    }
 }
 
 /// Take `f`'s request off its endpoints' loads.

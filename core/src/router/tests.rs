@@ -183,6 +183,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 /// and nothing else needs the exclusive lock; otherwise the plan comes back unapplied.
 #[test]
 fn a_repeated_prompt_books_under_the_shared_lock() {
+    use super::state::Books;
     let prompt = "z".repeat(256 * 40);
     let req = RouteRequest::text("m", &prompt);
     let fresh = RouteRequest::text("m", &"w".repeat(256 * 40));
@@ -203,32 +204,36 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     };
     let (keys, fresh_keys) = (keys_of(&req), keys_of(&fresh));
     let mut s = DecideScratch::default();
-    let before = core.stats();
+    let index_before = core.stats().index;
+    // The books kept apart, as a `Router` keeps them.
+    let mut books = std::mem::replace(core.books(), Books::new(1));
+    let routed = books.counters.routed;
 
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
-    let plan = core.plan(&active, &req, &keys, 5, &mut s);
-    let shared = core.commit_shared(&active, &req, &keys, plan, 5, &s).unwrap_or_else(|_| panic!("not booked"));
+    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 5, &mut s);
+    let Ok(shared) = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s) else { panic!("not booked") };
     assert_eq!(shared.endpoint(), d.endpoint());
-    let after = core.stats();
-    assert_eq!(after.counters.routed, before.counters.routed + 1);
-    assert_eq!(after.inflight_requests, 1);
-    assert_eq!(after.index, before.index, "the index is untouched");
-    core.complete(&shared.request_id).unwrap();
+    assert_eq!(books.counters.routed, routed + 1);
+    assert_eq!(books.inflight.len(), 1);
+    assert_eq!(core.stats().index, index_before, "the index is untouched");
+    assert_eq!(core.complete_shared(&mut books, &shared.request_id), Some(Ok(())));
+    assert_eq!(books.inflight.len(), 0);
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
-    let plan = core.plan(&active, &fresh, &fresh_keys, 5, &mut s);
-    let plan = core.commit_shared(&active, &fresh, &fresh_keys, plan, 5, &s).map(|_| ()).expect_err("booked");
-    core.commit(&active, &fresh, &fresh_keys, plan, 5, &mut s).unwrap();
+    let plan = core.plan_in(books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
+    assert!(core.commit_shared(&mut books, &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
     // Later in time, the speculation's clock must move first: the exclusive lock once.
-    let plan = core.plan(&active, &req, &keys, 6, &mut s);
-    assert!(core.commit_shared(&active, &req, &keys, plan, 6, &s).is_err());
+    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 6, &mut s);
+    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s).is_err());
     // An index written between the phases: the plan's no-op verdict no longer holds.
-    let plan = core.plan(&active, &req, &keys, 5, &mut s);
+    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
-    assert!(core.commit_shared(&active, &req, &keys, plan, 5, &s).is_err());
+    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
     // Flow control routes under the exclusive lock.
+    std::mem::swap(core.books(), &mut books);
     core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
+    std::mem::swap(core.books(), &mut books);
     let active = core.policy().clone();
-    let plan = core.plan(&active, &req, &keys, 5, &mut s);
-    assert!(core.commit_shared(&active, &req, &keys, plan, 5, &s).is_err());
+    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 5, &mut s);
+    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
 }
