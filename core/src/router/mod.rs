@@ -553,7 +553,8 @@ impl Router {
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let active = self.policy.load_full();
+        // A guard, not a clone: no reference count that every decision on every thread writes.
+        let active = self.policy.load();
         let req = match RouteRequest::parse(body, headers, &active.policy.config().request) {
             Ok(r) => r,
             Err(e) => {
@@ -567,7 +568,7 @@ impl Router {
     /// Route a parsed request at time `now_ms` (milliseconds on the caller's clock, the same clock
     /// as metric timestamps).
     pub fn route(&self, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
-        let active = self.policy.load_full();
+        let active = self.policy.load();
         self.route_with(&active, req, now_ms)
     }
 
@@ -575,7 +576,7 @@ impl Router {
         BUFS.with(|cell| {
             let mut bufs = cell.take();
             #[cfg(feature = "tokenizer")]
-            let tok = self.tokenizer.load_full();
+            let tok = self.tokenizer.load();
             prepare_keys(
                 active,
                 #[cfg(feature = "tokenizer")]
