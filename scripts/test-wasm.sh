@@ -3,8 +3,9 @@
 # wasmtime test host kvroute-wasm-host, the KV-event relay kvroute-relay and the filter's tests and
 # bench kvroute-wasm-tests. Builds kvroute_filter.wasm (wasm-release profile) and prints its size,
 # checks formatting, clippy (-D warnings, the filter also for wasm32-wasip1) and rustdoc
-# (-D warnings), then runs every test, the 100k-request load test included, and the bench once in
-# test mode. The bench's numbers: `cargo bench -p kvroute-wasm-tests --bench filter_vs_core`.
+# (-D warnings), then runs every test, the 100k-request load test included, builds the filter
+# without simd128 too (for runtimes without it) and replays the golden fixtures through that
+# build, and runs the bench once in test mode. The bench's numbers: `cargo bench -p kvroute-wasm-tests --bench filter_vs_core`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +40,13 @@ RUSTDOCFLAGS="-D warnings" cargo doc --no-deps "${CRATES[@]}"
 step "tests (filter units, host ABI, relay, filter in the host: golden, requests, events, shared state, replicas over NATS, reconfiguration, 100k load)"
 # The tests use the .wasm built above (no second build from inside the test processes).
 KVROUTE_FILTER_NO_BUILD=1 cargo test "${CRATES[@]}"
+
+step "the filter without simd128 (.cargo/config.toml enables it): build, golden fixtures through it"
+nosimd="${CARGO_TARGET_DIR:-target}/no-simd128"
+RUSTFLAGS="-C target-feature=-simd128" cargo build -p kvroute-wasm --target wasm32-wasip1 --profile wasm-release \
+    --target-dir "$nosimd"
+KVROUTE_FILTER_NO_BUILD=1 KVROUTE_FILTER_WASM="$nosimd/wasm32-wasip1/wasm-release/kvroute_filter.wasm" \
+    cargo test -p kvroute-wasm-tests --test filter_golden --test filter_golden_flow
 
 step "bench filter_vs_core in test mode (each benchmark once)"
 KVROUTE_FILTER_NO_BUILD=1 cargo test -p kvroute-wasm-tests --bench filter_vs_core
