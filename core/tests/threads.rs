@@ -86,36 +86,46 @@ fn setup_router(policy: &str) -> Router {
     r
 }
 
+/// A `RouterCore` set up as `setup_router` sets up a `Router`.
+fn setup_core(policy: &str) -> RouterCore {
+    let mut core = RouterCore::new(Policy::from_json(policy).unwrap());
+    for e in 0..ENDPOINTS {
+        core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+        core.update_metrics(&id(e), metrics(e)).unwrap();
+    }
+    core
+}
+
+/// One step through both: `event` (a stored batch for an endpoint) if any, then request `k` at
+/// `now`; the two must agree. Returns the decision's request id.
+fn step_both(router: &Router, core: &mut RouterCore, event: Option<(u64, usize)>, k: u64, now: u64, i: u64) -> String {
+    if let Some((batch, e)) = event {
+        let (b, e) = (stored(batch), id(e % ENDPOINTS));
+        assert_eq!(router.apply_batch(&e, &b, None, now).unwrap(), core.apply_batch(&e, &b, None, now).unwrap());
+    }
+    let body = body(k);
+    let a = router.route_http(body.as_bytes(), headers(k), now).unwrap();
+    let b = core.route_http(body.as_bytes(), headers(k), now).unwrap();
+    assert_eq!(a, b, "decision {i}");
+    a.request_id
+}
+
 #[test]
 fn one_thread_router_decides_as_the_core() {
     for policy in [HYBRID, APPROX] {
         let router = setup_router(policy);
-        let mut core = RouterCore::new(Policy::from_json(policy).unwrap());
-        for e in 0..ENDPOINTS {
-            core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
-            core.update_metrics(&id(e), metrics(e)).unwrap();
-        }
+        let mut core = setup_core(policy);
         let mut held: Vec<(u64, String)> = Vec::new();
         let mut expired = 0;
         for i in 0..600u64 {
             // Time moves 7 ms per request (speculation expires after 300 ms, requests left in
             // flight after 900 ms); now and then it steps back a little.
             let now = 1_000 + i * 7 - if i % 50 == 49 { 20 } else { 0 };
-            if i % 4 == 1 {
-                let b = stored(i / 2);
-                let e = id((i as usize / 4) % ENDPOINTS);
-                assert_eq!(
-                    router.apply_batch(&e, &b, None, now).unwrap(),
-                    core.apply_batch(&e, &b, None, now).unwrap()
-                );
-            }
-            let body = body(i);
-            let a = router.route_http(body.as_bytes(), headers(i), now).unwrap();
-            let b = core.route_http(body.as_bytes(), headers(i), now).unwrap();
-            assert_eq!(a, b, "decision {i}");
+            let event = (i % 4 == 1).then_some((i / 2, i as usize / 4));
+            let rid = step_both(&router, &mut core, event, i, now, i);
             // Most requests complete a few decisions later; every tenth never does (it expires).
             if i % 10 != 0 {
-                held.push((i, a.request_id.clone()));
+                held.push((i, rid));
             }
             while held.first().is_some_and(|(j, _)| j + 3 <= i) {
                 let (_, rid) = held.remove(0);
@@ -139,29 +149,14 @@ fn one_thread_router_decides_as_the_core() {
 fn one_thread_router_decides_as_the_core_on_repeated_prompts() {
     for policy in [HYBRID, APPROX] {
         let router = setup_router(policy);
-        let mut core = RouterCore::new(Policy::from_json(policy).unwrap());
-        for e in 0..ENDPOINTS {
-            core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
-            core.update_metrics(&id(e), metrics(e)).unwrap();
-        }
+        let mut core = setup_core(policy);
         let mut held: Vec<String> = Vec::new();
         for i in 0..800u64 {
             // Eight decisions per millisecond; 12 prompts over and over.
             let now = 1_000 + i / 8;
             let k = (i * 7) % 12;
-            if i % 97 == 5 {
-                let b = stored(k);
-                let e = id((i as usize / 97) % ENDPOINTS);
-                assert_eq!(
-                    router.apply_batch(&e, &b, None, now).unwrap(),
-                    core.apply_batch(&e, &b, None, now).unwrap()
-                );
-            }
-            let body = body(k);
-            let a = router.route_http(body.as_bytes(), headers(k), now).unwrap();
-            let b = core.route_http(body.as_bytes(), headers(k), now).unwrap();
-            assert_eq!(a, b, "decision {i}");
-            held.push(a.request_id.clone());
+            let event = (i % 97 == 5).then_some((k, i as usize / 97));
+            held.push(step_both(&router, &mut core, event, k, now, i));
             if held.len() > 2 {
                 let rid = held.remove(0);
                 assert_eq!(router.complete(&rid), core.complete(&rid));

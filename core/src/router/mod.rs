@@ -613,7 +613,7 @@ impl Router {
             match view {
                 None => None,
                 Some(view) => {
-                    let plan = core.plan_in(view, active, req, keys, now_ms, s);
+                    let plan = core.plan(view, active, req, keys, now_ms, s);
                     match core.commit_shared(&mut self.books(), active, req, keys, plan, now_ms, s) {
                         Ok(d) => return Ok(d),
                         Err(plan) => Some(plan),

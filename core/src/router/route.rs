@@ -224,6 +224,31 @@ impl Books {
     }
 }
 
+/// The index writes of routing a request to roster entries `d` and `prefill` (phase 6): the
+/// slots written, and the expiry and time of the speculation.
+struct IndexWrites {
+    d_slot: u16,
+    p_slot: Option<u16>,
+    expires_ms: u64,
+    now_ms: u64,
+}
+
+impl IndexWrites {
+    fn new(active: &ActivePolicy, d: usize, prefill: Option<usize>, s: &DecideScratch, now_ms: u64) -> Self {
+        IndexWrites {
+            d_slot: s.slots[d],
+            p_slot: prefill.map(|p| s.slots[p]),
+            expires_ms: now_ms.saturating_add(active.policy.config().index.speculative_ttl_ms),
+            now_ms,
+        }
+    }
+
+    /// The decode slot, then the prefill slot if any.
+    fn slots(&self) -> impl Iterator<Item = u16> {
+        std::iter::once(self.d_slot).chain(self.p_slot)
+    }
+}
+
 /// Blocks of a precise prompt that `slot` already holds in a tier: they need no speculation, so
 /// only the rest of a single-sequence prompt is speculated.
 fn precise_held(keys: &KeyBufs, s: &DecideScratch, slot: u16) -> u32 {
@@ -351,7 +376,7 @@ impl RouterCore {
         s: &mut DecideScratch,
     ) -> Result<Decision, RouteError> {
         self.maintain(active, now_ms);
-        let plan = self.plan(active, req, keys, now_ms, s);
+        let plan = self.plan(self.books.view(req), active, req, keys, now_ms, s);
         self.commit(active, req, keys, plan, now_ms, s)
     }
 
@@ -363,36 +388,23 @@ impl RouterCore {
         self.kv.expire(now_ms);
     }
 
-    /// The index writes of routing to roster entries `d` and `prefill` (see [`RouterCore::book`]),
-    /// for the read phase: whether all of them would change nothing.
-    #[allow(clippy::too_many_arguments)]
-    fn writes_are_noops(
-        &self,
-        active: &ActivePolicy,
-        keys: &KeyBufs,
-        f: &Features,
-        d: usize,
-        prefill: Option<usize>,
-        s: &DecideScratch,
-        now_ms: u64,
-    ) -> bool {
-        let expires_ms = now_ms.saturating_add(active.policy.config().index.speculative_ttl_ms);
-        let single = keys.precise.seq_starts.len() == 1;
-        std::iter::once(d).chain(prefill).filter_map(|i| s.slots.get(i)).all(|&slot| {
-            let slot = slot as usize;
-            let approx = !f.approx_valid || keys.approx.sequences().all(|seq| self.index.observe_is_noop(seq, slot));
-            approx
-                && (!f.precise_valid || {
-                    let held = if single { s.pmatched.confirmed.get(slot).copied().unwrap_or(0) } else { 0 };
-                    self.kv.speculation_is_noop(&keys.precise.keys, held as usize, slot, expires_ms, now_ms)
-                })
+    /// For the read phase: whether the index writes `w` would all change nothing.
+    fn writes_are_noops(&self, keys: &KeyBufs, f: &Features, w: &IndexWrites, s: &DecideScratch) -> bool {
+        w.slots().all(|slot| {
+            let approx =
+                !f.approx_valid || keys.approx.sequences().all(|seq| self.index.observe_is_noop(seq, slot as usize));
+            let precise = !f.precise_valid || {
+                let held = precise_held(keys, s, slot) as usize;
+                self.kv.speculation_is_noop(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms)
+            };
+            approx && precise
         })
     }
 
     /// Whether [`RouterCore::maintain`] at `now_ms` would change what a decision reads (a request
-    /// in flight to expire, speculation to withdraw). When it would not, the read phase can run
-    /// without it (under a shared lock) and the write phase maintains.
-    /// [`RouterCore::maintenance_due`] with `books` (a [`Router`](crate::Router)'s).
+    /// in flight to expire, speculation to withdraw), with `books` (the core's, or a
+    /// [`Router`](crate::Router)'s). When it would not, the read phase can run without it (under
+    /// a shared lock) and the write phase maintains.
     pub(crate) fn maintenance_due_in(&self, books: &Books, active: &ActivePolicy, now_ms: u64) -> bool {
         let timeout = active.policy.config().limits.inflight_timeout_ms;
         books.inflight.oldest_started().is_some_and(|t| now_ms.saturating_sub(t) > timeout)
@@ -406,21 +418,10 @@ impl RouterCore {
     }
 
     /// The read phase (phases 2, 3 and 5, and the admission verdict): reads the state, changes
-    /// nothing but `s`. Expects [`RouterCore::maintain`] at `now_ms` done (or not due).
+    /// nothing but `s`. Expects [`RouterCore::maintain`] at `now_ms` done (or not due). `books`
+    /// is what it reads of the books, taken beforehand (`Books::view`: the core's, or a
+    /// [`Router`](crate::Router)'s, which are not locked while it plans).
     pub(crate) fn plan(
-        &self,
-        active: &ActivePolicy,
-        req: &RouteRequest,
-        keys: &KeyBufs,
-        now_ms: u64,
-        s: &mut DecideScratch,
-    ) -> Plan {
-        self.plan_in(self.books.view(req), active, req, keys, now_ms, s)
-    }
-
-    /// [`RouterCore::plan`] with what it reads of the books taken beforehand (a
-    /// [`Router`](crate::Router)'s, whose books are not locked while it plans).
-    pub(crate) fn plan_in(
         &self,
         books: BooksView,
         active: &ActivePolicy,
@@ -446,7 +447,9 @@ impl RouterCore {
             }
         };
         let quiet = match &outcome {
-            Planned::Route(pick, m) => self.writes_are_noops(active, keys, &f, pick.d, m.prefill, s, now_ms),
+            Planned::Route(pick, m) => {
+                self.writes_are_noops(keys, &f, &IndexWrites::new(active, pick.d, m.prefill, s, now_ms), s)
+            }
             _ => false,
         };
         Plan { epoch: self.epoch, f, outcome, writes: (self.index.writes(), self.kv.writes()), quiet }
@@ -467,7 +470,7 @@ impl RouterCore {
         let plan = if plan.epoch == self.epoch && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster()) {
             plan
         } else {
-            self.plan(active, req, keys, now_ms, s)
+            self.plan(self.books.view(req), active, req, keys, now_ms, s)
         };
         if keys.tokenize_failed {
             self.books().counters.tokenize_errors += 1;
@@ -499,7 +502,7 @@ impl RouterCore {
             self.flow.routed();
         }
         if !quiet {
-            self.write_indexes(active, keys, &f, pick.d, m.prefill, s, now_ms);
+            self.write_indexes(keys, &f, &IndexWrites::new(active, pick.d, m.prefill, s, now_ms), s);
         }
         let booked = book(active, &self.endpoints, &mut self.books, keys, &f, pick.d, &m, &request_id, now_ms, s);
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
@@ -718,34 +721,20 @@ impl RouterCore {
     }
 
     /// Phase 6, the indexes: the approximate index's assumed residency and the precise index's
-    /// speculation for routing to roster entries `d` and `prefill`.
-    #[allow(clippy::too_many_arguments)]
-    fn write_indexes(
-        &mut self,
-        active: &ActivePolicy,
-        keys: &KeyBufs,
-        f: &Features,
-        d: usize,
-        prefill: Option<usize>,
-        s: &DecideScratch,
-        now_ms: u64,
-    ) {
-        let d_slot = s.slots[d];
-        let p_slot = prefill.map(|p| s.slots[p]);
+    /// speculation (the writes `w`).
+    fn write_indexes(&mut self, keys: &KeyBufs, f: &Features, w: &IndexWrites, s: &DecideScratch) {
         if f.approx_valid {
             let index = self.index.write();
             for seq in keys.approx.sequences() {
-                index.observe(seq, d_slot as usize);
-                if let Some(p) = p_slot {
-                    index.observe(seq, p as usize);
+                for slot in w.slots() {
+                    index.observe(seq, slot as usize);
                 }
             }
         }
         if f.precise_valid {
-            let expires_ms = now_ms.saturating_add(active.policy.config().index.speculative_ttl_ms);
-            for slot in std::iter::once(d_slot).chain(p_slot) {
-                let held = precise_held(keys, s, slot);
-                self.kv.write().speculate_from(&keys.precise.keys, held as usize, slot as usize, expires_ms, now_ms);
+            for slot in w.slots() {
+                let held = precise_held(keys, s, slot) as usize;
+                self.kv.write().speculate_from(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms);
             }
         }
     }

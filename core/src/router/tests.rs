@@ -151,7 +151,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     let inflight = |c: &RouterCore, id: &str| c.endpoints().iter().find(|e| *e.id == *id).map_or(0, |e| e.inflight);
 
     // Health changes between the phases: the write phase plans again and avoids `warm`.
-    let plan = core.plan(&active, &req, &keys, 1, &mut s);
+    let plan = core.plan(core.books.view(&req), &active, &req, &keys, 1, &mut s);
     core.set_healthy(&warm, false).unwrap();
     let d = core.commit(&active, &req, &keys, plan, 1, &mut s).unwrap();
     assert_eq!(d.endpoint(), Some(other));
@@ -161,7 +161,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 
     // The endpoint planned for is removed between the phases: planned again, nothing is
     // counted on the removed endpoint.
-    let plan = core.plan(&active, &req, &keys, 2, &mut s);
+    let plan = core.plan(core.books.view(&req), &active, &req, &keys, 2, &mut s);
     core.remove_endpoint(&warm).unwrap();
     let d = core.commit(&active, &req, &keys, plan, 2, &mut s).unwrap();
     assert_eq!(d.endpoint(), Some(other));
@@ -169,7 +169,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     core.upsert_endpoint(EndpointSpec::new(warm.as_str(), Role::Decode)).unwrap();
 
     // A metrics update between the phases does not move the epoch: the plan stands.
-    let plan = core.plan(&active, &req, &keys, 3, &mut s);
+    let plan = core.plan(core.books.view(&req), &active, &req, &keys, 3, &mut s);
     let planned = plan.target().expect("the request is routed");
     let busy = MetricsSnapshot { waiting: 50, kv_usage: 0.79, updated_ms: 3, ..Default::default() };
     let planned_id = core.endpoints.roster()[planned].to_string();
@@ -210,7 +210,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     let routed = books.counters.routed;
 
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
-    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     let Ok(shared) = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s) else { panic!("not booked") };
     assert_eq!(shared.endpoint(), d.endpoint());
     assert_eq!(books.counters.routed, routed + 1);
@@ -220,13 +220,13 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     assert_eq!(books.inflight.len(), 0);
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
-    let plan = core.plan_in(books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
+    let plan = core.plan(books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
     // Later in time, the speculation's clock must move first: the exclusive lock once.
-    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 6, &mut s);
+    let plan = core.plan(books.view(&req), &active, &req, &keys, 6, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s).is_err());
     // An index written between the phases: the plan's no-op verdict no longer holds.
-    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
     // Flow control routes under the exclusive lock.
@@ -234,6 +234,6 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
     std::mem::swap(core.books(), &mut books);
     let active = core.policy().clone();
-    let plan = core.plan_in(books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
 }
