@@ -129,19 +129,21 @@ std::thread_local! {
 /// The core under the exclusive lock with its books put back (taken out again on drop).
 struct CoreMut<'a> {
     core: RwLockWriteGuard<'a, RouterCore>,
-    books: MutexGuard<'a, Books>,
+    /// The router's books cell, holding the core's placeholder while the guard lives (named
+    /// apart from `RouterCore::books`, which `lock().books` must reach through `Deref`).
+    cell: MutexGuard<'a, Books>,
 }
 
 impl<'a> CoreMut<'a> {
     fn new(mut core: RwLockWriteGuard<'a, RouterCore>, mut books: MutexGuard<'a, Books>) -> Self {
-        std::mem::swap(core.books(), &mut *books);
-        CoreMut { core, books }
+        std::mem::swap(&mut core.books, &mut *books);
+        CoreMut { core, cell: books }
     }
 }
 
 impl Drop for CoreMut<'_> {
     fn drop(&mut self) {
-        std::mem::swap(self.core.books(), &mut *self.books);
+        std::mem::swap(&mut self.core.books, &mut *self.cell);
     }
 }
 
@@ -161,7 +163,7 @@ impl std::ops::DerefMut for CoreMut<'_> {
 
 impl From<RouterCore> for Router {
     fn from(mut core: RouterCore) -> Router {
-        let books = std::mem::replace(core.books(), Books::new(1));
+        let books = std::mem::replace(&mut core.books, Books::new(1));
         Router {
             policy: ArcSwap::new(core.policy().clone()),
             core: RwLock::new(core),
@@ -274,7 +276,7 @@ impl Router {
         match Policy::from_str_auto(text) {
             Ok(p) => Ok(self.reload(p)),
             Err(e) => {
-                self.lock().books().counters.reload_failures += 1;
+                self.lock().books.counters.reload_failures += 1;
                 Err(e)
             }
         }

@@ -343,7 +343,7 @@ impl RouterCore {
         match RouteRequest::parse(body, headers, &self.active.policy.config().request) {
             Ok(req) => self.route(&req, now_ms),
             Err(e) => {
-                self.books().counters.route_errors += 1;
+                self.books.counters.route_errors += 1;
                 Err(e.into())
             }
         }
@@ -473,7 +473,7 @@ impl RouterCore {
             self.plan(self.books.view(req), active, req, keys, now_ms, s)
         };
         if keys.tokenize_failed {
-            self.books().counters.tokenize_errors += 1;
+            self.books.counters.tokenize_errors += 1;
         }
         self.books.draws = self.books.draws.wrapping_add(1);
         // Skip the index writes the read phase found to be no-ops, unless an index was written
@@ -482,18 +482,18 @@ impl RouterCore {
         let Plan { f, outcome, .. } = plan;
         let (pick, m) = match outcome {
             Planned::NoEndpoint => {
-                self.books().counters.route_errors += 1;
+                self.books.counters.route_errors += 1;
                 return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
             }
             Planned::Shed(pick, shed) => {
-                let b = self.books();
+                let b = &mut self.books;
                 let request_id = b.ids.assign(&b.inflight, req);
                 return Ok(self.shed(active, request_id, f, pick, shed));
             }
             Planned::Route(pick, m) => (pick, m),
         };
         let request_id = {
-            let b = self.books();
+            let b = &mut self.books;
             b.ids.assign(&b.inflight, req)
         };
         if active.policy.config().flow_control.enabled {
@@ -741,7 +741,7 @@ impl RouterCore {
 
     /// Phase 7 (shed): the answer for a request admission refused.
     fn shed(&mut self, active: &ActivePolicy, request_id: String, f: Features, pick: Pick, shed: Shed) -> Decision {
-        self.books().counters.decisions_by_rule[rule_index(Rule::Shed)] += 1;
+        self.books.counters.decisions_by_rule[rule_index(Rule::Shed)] += 1;
         let d = &f.scores[pick.d];
         Decision {
             request_id,

@@ -241,7 +241,7 @@ impl RouterCore {
         let new = Arc::new(ActivePolicy::new(policy, self.active.version + 1));
         if new.fingerprint != self.index.fingerprint() {
             self.index.write().reset(new.fingerprint);
-            self.books().counters.index_resets += 1;
+            self.books.counters.index_resets += 1;
         }
         if new.capacity != self.active.capacity {
             self.index.write().set_capacity(new.capacity);
@@ -249,13 +249,13 @@ impl RouterCore {
         let cfg = new.policy.config();
         if new.precise_fingerprint != self.kv.fingerprint() {
             self.kv.write().reconfigure(cfg, new.precise_fingerprint);
-            self.books().counters.index_resets += 1;
+            self.books.counters.index_resets += 1;
         }
         self.kv.write().set_speculative_ttl(cfg.index.speculative_ttl_ms);
         self.kv.write().set_capacity(new.precise_capacity, cfg.index.precise.key_map_capacity);
         self.bound_inflight(cfg.limits.max_inflight_requests);
-        self.books().sessions.resize(nz(cfg.limits.session_capacity));
-        self.books().counters.reloads += 1;
+        self.books.sessions.resize(nz(cfg.limits.session_capacity));
+        self.books.counters.reloads += 1;
         self.active = new;
         let RouterCore { flow, endpoints, active, .. } = self;
         flow.reconfigure(&crate::flow::Ctx { policy: active.policy.config(), endpoints });
@@ -268,7 +268,7 @@ impl RouterCore {
         match Policy::from_str_auto(text) {
             Ok(p) => Ok(self.reload(p)),
             Err(e) => {
-                self.books().counters.reload_failures += 1;
+                self.books.counters.reload_failures += 1;
                 Err(e)
             }
         }
@@ -388,19 +388,13 @@ impl RouterCore {
 
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&mut self, request_id: &str) -> Result<(), StateError> {
-        let removed = self.books().inflight.remove(request_id);
-        match removed {
-            Some(f) => {
-                self.release(&f);
-                if let Some(r) = &mut self.replica {
-                    if r.cfg.publish && !request_id.starts_with(crate::replica::REMOTE_PREFIX) {
-                        r.outbox.push_complete(&r.cfg, request_id);
-                    }
-                }
-                Ok(())
+        release_request(&self.endpoints, &mut self.books, request_id)?;
+        if let Some(r) = &mut self.replica {
+            if r.cfg.publish && !request_id.starts_with(crate::replica::REMOTE_PREFIX) {
+                r.outbox.push_complete(&r.cfg, request_id);
             }
-            None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
         }
+        Ok(())
     }
 
     /// [`RouterCore::complete`] under a shared lock ([`Router`](crate::Router)'s completions, on
@@ -411,14 +405,7 @@ impl RouterCore {
         if self.replica.as_ref().is_some_and(|r| r.cfg.publish) {
             return None;
         }
-        let removed = books.inflight.remove(request_id);
-        Some(match removed {
-            Some(f) => {
-                self.release(&f);
-                Ok(())
-            }
-            None => Err(StateError::UnknownRequest { request_id: request_id.to_owned() }),
-        })
+        Some(release_request(&self.endpoints, books, request_id))
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine and apply it to the precise
@@ -476,19 +463,14 @@ impl RouterCore {
         self.endpoints.slot_of(id).ok_or_else(|| unknown(id))
     }
 
-    /// Requests in flight, request ids, sessions, counters, draws and time.
-    pub(super) fn books(&mut self) -> &mut Books {
-        &mut self.books
-    }
-
     pub(super) fn release(&self, f: &Inflight) {
         release(&self.endpoints, f);
     }
 
     pub(super) fn expire_inflight(&mut self, now_ms: u64, timeout_ms: u64) {
-        while let Some(f) = self.books().inflight.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
+        while let Some(f) = self.books.inflight.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
             self.release(&f);
-            self.books().counters.inflight_expired += 1;
+            self.books.counters.inflight_expired += 1;
         }
     }
 
@@ -532,6 +514,14 @@ impl Books {
             last_now_ms: 0,
         }
     }
+}
+
+/// Take request `request_id` out of `books` and off its endpoints' loads.
+fn release_request(endpoints: &EndpointTable, books: &mut Books, request_id: &str) -> Result<(), StateError> {
+    let f = books.inflight.remove(request_id);
+    let f = f.ok_or_else(|| StateError::UnknownRequest { request_id: request_id.to_owned() })?;
+    release(endpoints, &f);
+    Ok(())
 }
 
 /// Take `f`'s request off its endpoints' loads.

@@ -69,7 +69,7 @@ fn a_reused_request_id_costs_o1_probes_per_decision() {
     assert_eq!(ids.len() as u64, n, "every decision got its own id");
     assert!(ids.contains("same") && ids.contains("same~2") && ids.contains(format!("same~{n}").as_str()));
     // One probe per reuse (the unfixed loop probed every earlier suffix: n²/2 in all).
-    assert_eq!(r.lock().books().ids.probes, n - 1);
+    assert_eq!(r.lock().books.ids.probes, n - 1);
     // A suffix a caller supplied itself is skipped, not reused.
     r.route_http(body, [("x-request-id", format!("same~{}", n + 1).as_str())], n).unwrap();
     let d = r.route_http(body, [("x-request-id", "same")], n + 1).unwrap();
@@ -206,7 +206,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     let mut s = DecideScratch::default();
     let index_before = core.stats().index;
     // The books kept apart, as a `Router` keeps them.
-    let mut books = std::mem::replace(core.books(), Books::new(1));
+    let mut books = std::mem::replace(&mut core.books, Books::new(1));
     let routed = books.counters.routed;
 
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
@@ -230,9 +230,9 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     core.index.write();
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
     // Flow control routes under the exclusive lock.
-    std::mem::swap(core.books(), &mut books);
+    std::mem::swap(&mut core.books, &mut books);
     core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
-    std::mem::swap(core.books(), &mut books);
+    std::mem::swap(&mut core.books, &mut books);
     let active = core.policy().clone();
     let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
