@@ -94,7 +94,10 @@ pub struct IndexConfig {
     /// Approximate index budget per endpoint, in bytes; charged
     /// [`NOMINAL_BYTES_PER_MEMBERSHIP`] per (block, endpoint) membership.
     pub capacity_bytes_per_endpoint: u64,
-    /// Lifetime of speculative entries in the event-fed precise index, milliseconds.
+    /// Lifetime of speculative entries in the event-fed precise index, milliseconds. Routing
+    /// the same blocks to the same endpoint again extends it once a quarter of it has passed
+    /// (not on every request), so entries last between 3/4 of it and all of it after their
+    /// latest routing.
     pub speculative_ttl_ms: u64,
     /// Weights of cache tiers when scoring matched blocks (approximate entries count as GPU).
     pub tier_weights: TierWeights,

@@ -142,9 +142,10 @@ fn one_thread_router_decides_as_the_core() {
     }
 }
 
-/// A prompt routed again and again: the decisions' index writes become no-ops, so they book
-/// under the shared lock (`RouterCore::commit_shared`) whenever the clock has not moved since
-/// the last exclusive decision. Alone, a `Router` still decides exactly as a `RouterCore`.
+/// A prompt routed again and again: the decisions' index writes become no-ops (a speculation
+/// is extended once a quarter TTL has passed), so they book under the shared lock
+/// (`RouterCore::commit_shared`) whenever no maintenance is due, at the same millisecond or a
+/// later one. Alone, a `Router` still decides exactly as a `RouterCore`.
 #[test]
 fn one_thread_router_decides_as_the_core_on_repeated_prompts() {
     for policy in [HYBRID, APPROX] {

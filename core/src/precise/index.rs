@@ -623,7 +623,7 @@ impl KvIndex {
         let Ok(slot32) = u32::try_from(slot) else { return };
         self.advance_speculation(now_ms);
         let deadline_ms = self.speculation.deadline(expires_ms, now_ms);
-        if deadline_ms <= now_ms {
+        if deadline_ms <= now_ms || self.speculation_holds(keys, slot, deadline_ms) {
             return;
         }
         let tick = spec_tick(deadline_ms);
@@ -633,11 +633,21 @@ impl KvIndex {
         self.bound_speculation();
     }
 
-    /// Whether [`KvIndex::speculate_from`] with these arguments would change nothing a lookup
-    /// reads, once [`KvIndex::expire`] at `now_ms` is done: every block from `skip` on is already
-    /// held by `slot` in a tier or speculatively until the same tick or later. (Its speculation
-    /// record would then withdraw nothing the earlier one that set those ticks does not; skipping
-    /// it only spares the queue a record.)
+    /// Whether every block of `keys` is held by `slot` in a tier, or speculatively until within
+    /// [`SpecQueue::refresh_after_ms`] of `deadline_ms` or later: then routing them there again
+    /// changes nothing. A prompt routed again and again to where it is speculated extends its
+    /// speculation once a quarter TTL has passed, not on every request (batched speculation
+    /// writes: a repeated prompt's decisions leave the index alone, so a shared `Router` books
+    /// them under its shared lock); its blocks stay speculated for at least three quarters of
+    /// the TTL after the last routing, and at most the TTL.
+    fn speculation_holds(&self, keys: &[BlockKey], slot: usize, deadline_ms: u64) -> bool {
+        let enough = deadline_ms.saturating_sub(self.speculation.refresh_after_ms());
+        self.blocks.speculate_is_noop(keys, slot, spec_tick(enough))
+    }
+
+    /// Whether [`KvIndex::speculate_from`] with these arguments would change nothing, once
+    /// [`KvIndex::expire`] at `now_ms` is done (the same test it makes before it writes: every
+    /// block from `skip` on is held by `slot` long enough, see `speculation_holds`).
     pub(crate) fn speculation_is_noop(
         &self,
         keys: &[BlockKey],
@@ -647,14 +657,17 @@ impl KvIndex {
         now_ms: u64,
     ) -> bool {
         let Some(keys) = keys.get(skip..).filter(|k| !k.is_empty()) else { return true };
+        if u32::try_from(slot).is_err() {
+            return true;
+        }
         let deadline_ms = self.speculation.deadline(expires_ms, now_ms);
-        deadline_ms <= now_ms || self.blocks.speculate_is_noop(keys, slot, spec_tick(deadline_ms))
+        deadline_ms <= now_ms || self.speculation_holds(keys, slot, deadline_ms)
     }
 
-    /// Whether the speculation's clock already reads `now_ms` (so [`KvIndex::expire`] at
-    /// `now_ms`, with nothing due, would change nothing at all).
-    pub(crate) fn clock_reads(&self, now_ms: u64) -> bool {
-        self.speculation.now_ms() == Some(now_ms)
+    /// Observe `now_ms` under shared access, where [`KvIndex::expiry_due`] at it is false: the
+    /// speculation's clock moves, as [`KvIndex::expire`] would move it, and nothing else would.
+    pub(crate) fn observe_clock(&self, now_ms: u64) {
+        self.speculation.observe(now_ms);
     }
 
     /// The latest `now` the speculation has seen (a replicated effect's expiry is held to it
@@ -999,6 +1012,28 @@ mod tests {
         ix.expire(3_500);
         assert_eq!(matched(&ix, &long), vec![0, 0]);
         assert_eq!(ix.stats().speculative_blocks, 0);
+    }
+
+    #[test]
+    fn a_repeated_speculation_is_extended_once_a_quarter_ttl_has_passed() {
+        let mut ix = index();
+        let k = request_keys(&ix, 0..32);
+        ix.speculate(&k, 0, 2_000, 0);
+        assert_eq!(ix.stats().speculative_requests, 1);
+        // 400 ms later (under a quarter of the 2 s TTL): held long enough, nothing is written.
+        assert!(ix.speculation_is_noop(&k.keys, 0, 0, 2_400, 400));
+        ix.speculate(&k, 0, 2_400, 400);
+        assert_eq!(ix.stats().speculative_requests, 1);
+        // 600 ms later: extended to 2.6 s.
+        assert!(!ix.speculation_is_noop(&k.keys, 0, 0, 2_600, 600));
+        ix.speculate(&k, 0, 2_600, 600);
+        assert_eq!(ix.stats().speculative_requests, 2);
+        ix.expire(2_100);
+        assert_eq!(matched(&ix, &k), vec![2, 0], "the first record's withdrawal leaves the extension");
+        ix.expire(2_600);
+        assert_eq!(matched(&ix, &k), vec![0, 0]);
+        // A slot that does not hold them is always written.
+        assert!(!ix.speculation_is_noop(&k.keys, 0, 1, 4_600, 2_600));
     }
 
     #[test]

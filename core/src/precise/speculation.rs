@@ -16,6 +16,7 @@
 //! early.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::approx::BlockKey;
 
@@ -55,8 +56,13 @@ pub(crate) struct SpecQueue {
     /// Sum of the buckets' capacities (records).
     cap_records: usize,
     ttl_ms: u64,
-    now_ms: Option<u64>,
+    /// The latest `now` seen ([`NO_TIME`] before the first): an atomic so that a router's
+    /// decisions can move it under a shared lock when nothing is due ([`SpecQueue::observe`]).
+    now_ms: AtomicU64,
 }
+
+/// [`SpecQueue::now_ms`] before any `now` was seen.
+const NO_TIME: u64 = u64::MAX;
 
 fn ring_len(ttl_ms: u64) -> usize {
     usize::try_from(tick(ttl_ms) + 3).unwrap_or(usize::MAX >> 1).next_power_of_two()
@@ -73,7 +79,7 @@ impl SpecQueue {
             keys: 0,
             cap_records: 0,
             ttl_ms,
-            now_ms: None,
+            now_ms: AtomicU64::new(NO_TIME),
         }
     }
 
@@ -82,9 +88,29 @@ impl SpecQueue {
         self.len
     }
 
-    /// The latest `now` seen (by [`SpecQueue::advance`]).
+    /// The latest `now` seen (by [`SpecQueue::advance`] or [`SpecQueue::observe`]).
     pub(crate) fn now_ms(&self) -> Option<u64> {
-        self.now_ms
+        let t = self.now_ms.load(Ordering::Relaxed);
+        (t != NO_TIME).then_some(t)
+    }
+
+    /// Observe `now_ms` where [`SpecQueue::advance`] at it is not [`due`](SpecQueue::due): only
+    /// the clock moves. What else `advance` would do, moving the window's low end over empty
+    /// buckets, changes nothing a lookup or a later call reads (the next `advance`, which every
+    /// insertion follows, catches up).
+    pub(crate) fn observe(&self, now_ms: u64) {
+        let now_ms = now_ms.min(NO_TIME - 1);
+        // Read first: decisions on several threads at the same millisecond then share the
+        // word's cache line instead of taking it from each other.
+        if self.now_ms.load(Ordering::Relaxed) != now_ms {
+            self.now_ms.store(now_ms, Ordering::Relaxed);
+        }
+    }
+
+    /// How long a speculation may have run before routing the same blocks there again extends
+    /// it (see `KvIndex::speculate_from`): a quarter of the TTL.
+    pub(crate) fn refresh_after_ms(&self) -> u64 {
+        self.ttl_ms / 4
     }
 
     /// Heap bytes: the ring, the records and their keys.
@@ -115,7 +141,7 @@ impl SpecQueue {
         if n != self.buckets.len() || shorter {
             let all = self.take_all();
             self.buckets = (0..n).map(|_| VecDeque::new()).collect();
-            let horizon = self.now_ms.map(|now| now.saturating_add(ttl_ms));
+            let horizon = self.now_ms().map(|now| now.saturating_add(ttl_ms));
             for mut s in all {
                 if let Some(h) = horizon {
                     s.deadline_ms = s.deadline_ms.min(h);
@@ -201,7 +227,7 @@ impl SpecQueue {
     /// Observe `now_ms`: records past `now + ttl` are held to it; records due are passed to
     /// `withdraw`.
     pub(crate) fn advance(&mut self, now_ms: u64, mut withdraw: impl FnMut(Speculation)) {
-        self.now_ms = Some(now_ms);
+        self.observe(now_ms);
         let now_t = tick(now_ms);
         if self.len == 0 {
             self.lo = now_t;

@@ -696,7 +696,6 @@ impl RouterCore {
             || cfg.flow_control.enabled
             || self.replica.as_ref().is_some_and(|r| r.cfg.publish)
             || self.maintenance_due_in(books, active, now_ms)
-            || !self.kv.clock_reads(now_ms)
         {
             return Err(plan);
         }
@@ -705,8 +704,10 @@ impl RouterCore {
             Planned::Route(pick, m) => (pick, m),
             outcome => return Err(Plan { epoch, f, outcome, writes, quiet }),
         };
-        // `maintain` at `now_ms`: only the latest time seen moves.
+        // `maintain` at `now_ms`, with nothing due: only the latest time seen and the
+        // speculation's clock move.
         books.last_now_ms = now_ms;
+        self.kv.observe_clock(now_ms);
         books.draws = books.draws.wrapping_add(1);
         if keys.tokenize_failed {
             books.counters.tokenize_errors += 1;

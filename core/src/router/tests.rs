@@ -222,9 +222,19 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     // A prompt new to the index needs its blocks written: the exclusive lock.
     let plan = core.plan(books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
-    // Later in time, the speculation's clock must move first: the exclusive lock once.
+    // Later in time, with nothing due: still booked under `&self`; the speculation's clock moves.
     let plan = core.plan(books.view(&req), &active, &req, &keys, 6, &mut s);
-    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s).is_err());
+    let Ok(later) = core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s) else { panic!("not booked") };
+    assert_eq!((books.last_now_ms, core.kv.speculation_now()), (6, Some(6)));
+    assert_eq!(core.complete_shared(&mut books, &later.request_id), Some(Ok(())));
+    // Once a request in flight has timed out, maintenance is due: the exclusive lock.
+    let timeout = active.policy.config().limits.inflight_timeout_ms;
+    let plan = core.plan(books.view(&req), &active, &req, &keys, 7, &mut s);
+    let Ok(old) = core.commit_shared(&mut books, &active, &req, &keys, plan, 7, &s) else { panic!("not booked") };
+    let late = 8 + timeout;
+    let plan = core.plan(books.view(&req), &active, &req, &keys, late, &mut s);
+    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, late, &s).is_err());
+    assert_eq!(core.complete_shared(&mut books, &old.request_id), Some(Ok(())));
     // An index written between the phases: the plan's no-op verdict no longer holds.
     let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
