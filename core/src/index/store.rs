@@ -504,16 +504,23 @@ impl BlockStore {
     }
 
     /// Append `key` with `head` to the arena (its bucket is the caller's).
-    #[inline]
+    #[inline(always)]
     fn push(&mut self, key: u64, head: u32) {
         if self.keys.len() == self.keys.capacity() || self.heads.len() == self.heads.capacity() {
-            reserve_stepped(&mut self.keys, 1);
-            reserve_stepped(&mut self.heads, 1);
+            self.reserve_arena();
         }
         self.retain(head);
         self.keys.push(key);
         self.heads.push(head);
         self.len += 1;
+    }
+
+    /// Room for one more position in the arena (out of line: once per growth step).
+    #[cold]
+    #[inline(never)]
+    fn reserve_arena(&mut self) {
+        reserve_stepped(&mut self.keys, 1);
+        reserve_stepped(&mut self.heads, 1);
     }
 
     /// Store the new block `key` (absent) with `head`, at the end of the arena. `None` when the
