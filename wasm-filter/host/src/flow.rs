@@ -133,14 +133,14 @@ impl Host {
         self.slot(stream.vm.0)
             .ok()
             .and_then(|slot| slot.store.data().stream(stream.context))
-            .ok_or_else(|| HostError::UnknownStream(stream))
+            .ok_or(HostError::UnknownStream(stream))
     }
 
     fn stream_mut(&mut self, stream: StreamId) -> Result<&mut Stream, HostError> {
         self.slot_mut(stream.vm.0)
             .ok()
             .and_then(|slot| slot.store.data_mut().stream_mut(stream.context))
-            .ok_or_else(|| HostError::UnknownStream(stream))
+            .ok_or(HostError::UnknownStream(stream))
     }
 
     /// Sets a property `proxy_get_property` answers in this stream's context (e.g. `source.address`
@@ -256,7 +256,7 @@ impl Host {
                 _ => true,
             };
             if done {
-                host.finalize_context(vm, stream.context)?.ok_or_else(|| HostError::UnknownStream(stream))
+                host.finalize_context(vm, stream.context)?.ok_or(HostError::UnknownStream(stream))
             } else {
                 host.slot_mut(vm)?.store.data_mut().pending_done.push(stream.context);
                 Ok(host.stream(stream)?.clone())

@@ -578,7 +578,7 @@ impl Host {
     /// the filter shows as growth over many requests).
     pub fn memory_size(&self, vm: VmId) -> Result<usize, HostError> {
         let slot = self.slot(vm.0)?;
-        let memory = slot.store.data().memory.ok_or_else(|| HostError::UnknownVm(vm))?;
+        let memory = slot.store.data().memory.ok_or(HostError::UnknownVm(vm))?;
         Ok(memory.data_size(&slot.store))
     }
 
@@ -586,7 +586,7 @@ impl Host {
     /// that inspect what a guest wrote.
     pub fn read_memory(&self, vm: VmId, ptr: u32, len: usize) -> Result<Option<Vec<u8>>, HostError> {
         let slot = self.slot(vm.0)?;
-        let memory = slot.store.data().memory.ok_or_else(|| HostError::UnknownVm(vm))?;
+        let memory = slot.store.data().memory.ok_or(HostError::UnknownVm(vm))?;
         let start = ptr as usize;
         Ok(start.checked_add(len).and_then(|end| memory.data(&slot.store).get(start..end)).map(<[u8]>::to_vec))
     }
@@ -774,11 +774,11 @@ impl Host {
     // ---- internals: calling the guest, deferred work, events ----
 
     pub(crate) fn slot(&self, vm: usize) -> Result<&VmSlot, HostError> {
-        self.vms.get(vm).and_then(Option::as_ref).ok_or_else(|| HostError::UnknownVm(VmId(vm)))
+        self.vms.get(vm).and_then(Option::as_ref).ok_or(HostError::UnknownVm(VmId(vm)))
     }
 
     pub(crate) fn slot_mut(&mut self, vm: usize) -> Result<&mut VmSlot, HostError> {
-        self.vms.get_mut(vm).and_then(Option::as_mut).ok_or_else(|| HostError::UnknownVm(VmId(vm)))
+        self.vms.get_mut(vm).and_then(Option::as_mut).ok_or(HostError::UnknownVm(VmId(vm)))
     }
 
     /// The VM's index if it exists and has not failed.
