@@ -930,6 +930,15 @@ struct Http {
     headers: HeaderList,
 }
 
+/// A header's bytes as text: valid UTF-8 (the usual case) in place, anything else with its
+/// invalid sequences replaced.
+fn header_text(b: &[u8]) -> std::borrow::Cow<'_, str> {
+    match std::str::from_utf8(b) {
+        Ok(t) => std::borrow::Cow::Borrowed(t),
+        Err(_) => String::from_utf8_lossy(b),
+    }
+}
+
 fn set_header(name: &str, value: &str) -> bool {
     hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
 }
@@ -1765,14 +1774,13 @@ impl HttpContext for Http {
             let bytes = pairs.iter().map(|(k, v)| k.len() + v.len()).sum();
             let mut headers = HeaderList::with_capacity(pairs.len(), bytes);
             for (k, v) in pairs {
-                // Valid UTF-8 (the usual case) is read in place: no copy but into the list.
-                let k = String::from_utf8_lossy(k);
+                let k = header_text(k);
                 let routing = ROUTING_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(&k));
                 if routing || is_kvroute_header(&k) {
                     let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &k, None);
                 }
                 if !routing {
-                    headers.push(&k, &String::from_utf8_lossy(v));
+                    headers.push(&k, &header_text(v));
                 }
             }
             headers
