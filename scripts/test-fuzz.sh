@@ -34,6 +34,7 @@ for src in fuzz_targets/*.rs; do
     policy) dict=(-dict=policy.dict) ;;
     metrics) dict=(-dict=metrics.dict) ;;
     token_ids) dict=(-dict=token_ids.dict) ;;
+    body_reader) dict=(-dict=body_reader.dict) ;;
   esac
   rm -rf "${scratch:?}/$t"
   mkdir -p "$scratch/$t" "$scratch/artifacts"

@@ -38,6 +38,7 @@ use crate::config::{
     KVROUTE_HEADER_PREFIX, ROUTING_HEADERS,
 };
 use crate::counters::{Counter, Counters};
+use crate::host_map::HeaderList;
 use crate::ingest::{self, EventPost, PostKind};
 use crate::sync::{self, Entry, SharedLog, SharedStore, StoreError, VerdictCode};
 
@@ -877,7 +878,7 @@ impl RootContext for Root {
             phase: Phase::Start,
             request_id: None,
             ticket: None,
-            headers: Vec::new(),
+            headers: HeaderList::default(),
         }))
     }
 
@@ -926,7 +927,16 @@ struct Http {
     ticket: Option<Ticket>,
     /// The request headers, read once in the headers callback (without the headers a client
     /// must not set); the decision reads them from here.
-    headers: Vec<(String, String)>,
+    headers: HeaderList,
+}
+
+/// A header's bytes as text: valid UTF-8 (the usual case) in place, anything else with its
+/// invalid sequences replaced.
+fn header_text(b: &[u8]) -> std::borrow::Cow<'_, str> {
+    match std::str::from_utf8(b) {
+        Ok(t) => std::borrow::Cow::Borrowed(t),
+        Err(_) => String::from_utf8_lossy(b),
+    }
 }
 
 fn set_header(name: &str, value: &str) -> bool {
@@ -1119,7 +1129,7 @@ fn error_json(e: &RouteError) -> serde_json::Value {
 impl Http {
     /// A request header read in the headers callback.
     fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.headers.get(name)
     }
 
     /// Headers to set upstream, or a local answer, or (flow control queued it) hold it.
@@ -1137,7 +1147,7 @@ impl Http {
             return self.fail_open("unconfigured", None);
         };
         a.sync(&shared, now);
-        let pairs = || headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        let pairs = || headers.iter();
         let req = match RouteRequest::parse(body, pairs(), &a.router.policy().policy.config().request) {
             Ok(req) => req,
             Err(_) => {
@@ -1760,22 +1770,23 @@ impl HttpContext for Http {
         // and no x-kvroute-* header goes upstream, whatever the path (the event protocol's
         // secret and signature included): they are removed from the request here, and the ones
         // the filter reads (event posts, the core's own headers) are kept in `self.headers`.
-        match hostcalls::get_map_bytes(MapType::HttpRequestHeaders) {
-            Ok(pairs) => {
-                self.headers = Vec::with_capacity(pairs.len());
-                for (k, v) in pairs {
-                    let routing = ROUTING_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(&k));
-                    if routing || is_kvroute_header(&k) {
-                        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &k, None);
-                    }
-                    if !routing {
-                        // Valid UTF-8 (the usual case) keeps the host's buffer: no copy.
-                        let v =
-                            String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-                        self.headers.push((k, v));
-                    }
+        let read = hostcalls::with_map_pairs(MapType::HttpRequestHeaders, |pairs| {
+            let bytes = pairs.iter().map(|(k, v)| k.len() + v.len()).sum();
+            let mut headers = HeaderList::with_capacity(pairs.len(), bytes);
+            for (k, v) in pairs {
+                let k = header_text(k);
+                let routing = ROUTING_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(&k));
+                if routing || is_kvroute_header(&k) {
+                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &k, None);
+                }
+                if !routing {
+                    headers.push(&k, &header_text(v));
                 }
             }
+            headers
+        });
+        match read {
+            Ok(headers) => self.headers = headers,
             Err(s) => {
                 self.shared.bump(Counter::InternalErrors);
                 log(LogLevel::Warn, &format!("kvroute: reading the request headers: {s:?}"));
@@ -1794,13 +1805,12 @@ impl HttpContext for Http {
                 }
                 // One by one, the headers that decide where the request belongs (event path,
                 // stats page, inference).
-                self.headers = [":path", ":method"]
-                    .into_iter()
-                    .filter_map(|k| {
-                        let v = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, k).ok().flatten()?;
-                        Some((k.to_owned(), String::from_utf8_lossy(&v).into_owned()))
-                    })
-                    .collect();
+                self.headers = HeaderList::default();
+                for k in [":path", ":method"] {
+                    if let Ok(Some(v)) = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, k) {
+                        self.headers.push(k, &String::from_utf8_lossy(&v));
+                    }
+                }
             }
         }
         // The configuration is shared (`Rc`): holding it costs no copy of its strings.

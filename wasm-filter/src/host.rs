@@ -329,16 +329,15 @@ pub fn get_buffer(buffer_type: BufferType, start: usize, max_size: usize) -> Res
     value(code, data, size)
 }
 
-/// Every pair of a header map (keys as text, values as bytes). A map the host serialized
-/// wrongly is `Err(ParseFailure)`.
-pub fn get_map_bytes(map_type: MapType) -> Result<Vec<(String, Vec<u8>)>, Status> {
+/// Every pair of a header map, handed to `f` as slices of the host's serialized map (no copy
+/// per pair). A map the host serialized wrongly is `Err(ParseFailure)` (`f` is not called).
+pub fn with_map_pairs<R>(map_type: MapType, f: impl FnOnce(&[(&[u8], &[u8])]) -> R) -> Result<R, Status> {
     let (mut data, mut size) = (std::ptr::null_mut(), 0usize);
     // SAFETY: the host writes a pointer and a size to live locals.
     let code = unsafe { abi::proxy_get_header_map_pairs(map_type as u32, &mut data, &mut size) };
-    match value(code, data, size)? {
-        Some(bytes) => parse_map(&bytes).ok_or(Status::ParseFailure),
-        None => Ok(Vec::new()),
-    }
+    let bytes = value(code, data, size)?.unwrap_or_default();
+    let pairs = parse_map(&bytes).ok_or(Status::ParseFailure)?;
+    Ok(f(&pairs))
 }
 
 /// One header's value (`None`: absent).

@@ -23,9 +23,9 @@ pub(crate) fn serialize_map(pairs: &[(&str, &str)]) -> Vec<u8> {
     out
 }
 
-/// The pairs of a serialized map (keys as text, invalid UTF-8 replaced; values as bytes); `None`
-/// when the form is malformed (a count or size past the end). Empty input is the empty map.
-pub(crate) fn parse_map(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+/// The pairs of a serialized map, as slices of it; `None` when the form is malformed (a count or
+/// size past the end). Empty input is the empty map.
+pub(crate) fn parse_map(bytes: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
     if bytes.is_empty() {
         return Some(Vec::new());
     }
@@ -40,19 +40,57 @@ pub(crate) fn parse_map(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
     }
     let mut pairs = Vec::with_capacity(n);
     for i in 0..n {
-        let mut part = |size: usize| -> Option<Vec<u8>> {
+        let mut part = |size: usize| -> Option<&[u8]> {
             let end = at.checked_add(size)?;
-            let v = bytes.get(at..end)?.to_vec();
+            let v = bytes.get(at..end)?;
             at = end.checked_add(1)?;
             Some(v)
         };
         let (ks, vs) = (u32_at(4 + 8 * i)?, u32_at(8 + 8 * i)?);
         let k = part(ks)?;
         let v = part(vs)?;
-        let k = String::from_utf8(k).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
         pairs.push((k, v));
     }
     Some(pairs)
+}
+
+/// Header pairs as text, all in one buffer: a request's headers cost two allocations, not two
+/// per header.
+#[derive(Default)]
+pub(crate) struct HeaderList {
+    text: String,
+    /// Per pair, where its key and its value end in `text` (each starts where the one before
+    /// ends).
+    ends: Vec<(usize, usize)>,
+}
+
+impl HeaderList {
+    /// Room for `pairs` pairs of `bytes` bytes in all.
+    pub(crate) fn with_capacity(pairs: usize, bytes: usize) -> HeaderList {
+        HeaderList { text: String::with_capacity(bytes), ends: Vec::with_capacity(pairs) }
+    }
+
+    pub(crate) fn push(&mut self, key: &str, value: &str) {
+        self.text.push_str(key);
+        let k = self.text.len();
+        self.text.push_str(value);
+        self.ends.push((k, self.text.len()));
+    }
+
+    /// The pairs, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
+        let mut start = 0;
+        self.ends.iter().map(move |&(k, v)| {
+            let pair = (self.text.get(start..k).unwrap_or_default(), self.text.get(k..v).unwrap_or_default());
+            start = v;
+            pair
+        })
+    }
+
+    /// The first value of `name` (matched exactly).
+    pub(crate) fn get(&self, name: &str) -> Option<&str> {
+        self.iter().find(|(k, _)| *k == name).map(|(_, v)| v)
+    }
 }
 
 #[cfg(test)]
@@ -65,7 +103,7 @@ mod tests {
         let mut want = vec![2, 0, 0, 0, 5, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0];
         want.extend_from_slice(b":path\0/v1\0x\0\0");
         assert_eq!(m, want);
-        assert_eq!(parse_map(&m), Some(vec![(":path".to_owned(), b"/v1".to_vec()), ("x".to_owned(), Vec::new())]));
+        assert_eq!(parse_map(&m), Some(vec![(&b":path"[..], &b"/v1"[..]), (&b"x"[..], &b""[..])]));
         assert_eq!(parse_map(&serialize_map(&[])), Some(Vec::new()));
         assert_eq!(parse_map(&[]), Some(Vec::new()));
     }
@@ -84,6 +122,18 @@ mod tests {
         assert_eq!(parse_map(&huge), None, "a size past the end");
         let mut bad_utf8 = serialize_map(&[("k", "v")]);
         bad_utf8[12] = 0xff;
-        assert_eq!(parse_map(&bad_utf8).map(|p| p[0].0.clone()), Some("\u{fffd}".to_owned()));
+        assert_eq!(parse_map(&bad_utf8), Some(vec![(&b"\xff"[..], &b"v"[..])]));
+    }
+
+    #[test]
+    fn header_lists_keep_pairs_in_order() {
+        let mut h = HeaderList::with_capacity(3, 8);
+        h.push(":path", "/v1");
+        h.push("x", "");
+        h.push("", "y");
+        h.push("x", "2");
+        assert_eq!(h.iter().collect::<Vec<_>>(), vec![(":path", "/v1"), ("x", ""), ("", "y"), ("x", "2")]);
+        assert_eq!((h.get("x"), h.get(""), h.get("z")), (Some(""), Some("y"), None));
+        assert_eq!(HeaderList::default().iter().count(), 0);
     }
 }

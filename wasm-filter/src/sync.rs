@@ -37,6 +37,8 @@ pub const MAX_CAS_ATTEMPTS: u32 = 64;
 pub const INSTANCES_KEY: &str = "kvroute/instances";
 
 const VERSION: u8 = 1;
+/// The reused entry buffer is dropped rather than kept when an entry grew it past this.
+const MAX_KEPT_ENTRY_BUF: usize = 4096;
 const HEADER: usize = 1 + 8 + 8 + 1;
 
 /// A shared-data operation failed.
@@ -273,6 +275,14 @@ impl Entry<'_> {
 
     /// The stored form: header (version, sequence, origin, kind) and body.
     pub fn encode(&self, seq: u64, origin: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode_into(seq, origin, &mut out);
+        out
+    }
+
+    /// [`Entry::encode`] into `out` (cleared first; its buffer is reused).
+    pub fn encode_into(&self, seq: u64, origin: u64, out: &mut Vec<u8>) {
+        out.clear();
         let body_len = match self {
             Entry::Effect(b) => b.len(),
             Entry::Complete(s) => s.len(),
@@ -283,7 +293,7 @@ impl Entry<'_> {
             Entry::FlowLeft { .. } => 8,
             Entry::Replica(b) => b.len(),
         };
-        let mut out = Vec::with_capacity(HEADER + body_len);
+        out.reserve(HEADER + body_len);
         out.push(VERSION);
         out.extend_from_slice(&seq.to_le_bytes());
         out.extend_from_slice(&origin.to_le_bytes());
@@ -292,11 +302,11 @@ impl Entry<'_> {
             Entry::Effect(b) => out.extend_from_slice(b),
             Entry::Complete(s) => out.extend_from_slice(s.as_bytes()),
             Entry::Metrics { endpoint, snapshot } => {
-                put_str(&mut out, endpoint);
+                put_str(out, endpoint);
                 out.extend_from_slice(snapshot);
             }
             Entry::Events { endpoint, seq, now_ms, verdict, payload } => {
-                put_str(&mut out, endpoint);
+                put_str(out, endpoint);
                 out.push(u8::from(seq.is_some()));
                 out.extend_from_slice(&seq.unwrap_or(0).to_le_bytes());
                 out.extend_from_slice(&now_ms.to_le_bytes());
@@ -304,7 +314,7 @@ impl Entry<'_> {
                 out.extend_from_slice(payload);
             }
             Entry::Resync { endpoint, now_ms } => {
-                put_str(&mut out, endpoint);
+                put_str(out, endpoint);
                 out.extend_from_slice(&now_ms.to_le_bytes());
             }
             Entry::FlowQueued {
@@ -322,14 +332,13 @@ impl Entry<'_> {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
                 out.extend_from_slice(&priority.to_le_bytes());
-                put_opt(&mut out, *slo_ttft_ms);
-                put_opt(&mut out, *ttl_ms);
-                put_str(&mut out, fairness_id);
+                put_opt(out, *slo_ttft_ms);
+                put_opt(out, *ttl_ms);
+                put_str(out, fairness_id);
             }
             Entry::FlowLeft { ticket } => out.extend_from_slice(&ticket.to_le_bytes()),
             Entry::Replica(b) => out.extend_from_slice(b),
         }
-        out
     }
 
     /// The sequence number a stored entry claims (`None` when the bytes are no entry).
@@ -497,6 +506,8 @@ pub struct SharedLog {
     head_hint: Option<(u64, u32)>,
     /// Reused for slot keys (`{prefix}e/{slot}`): no formatting or allocation per entry.
     key_buf: String,
+    /// Reused for the stored form of the entries appended.
+    entry_buf: Vec<u8>,
     /// Completions deferred to the next append or flush (their request ids).
     deferred: Vec<String>,
     /// Counters.
@@ -517,6 +528,7 @@ impl SharedLog {
             pending_since: None,
             head_hint: None,
             key_buf: String::new(),
+            entry_buf: Vec::new(),
             deferred: Vec::new(),
             stats: SyncStats::default(),
         }
@@ -615,10 +627,15 @@ impl SharedLog {
                 Ok(()) => {
                     for (i, entry) in (0..k).zip(entries) {
                         let s = seq + i;
-                        let bytes = entry.encode(s, self.instance);
+                        let mut bytes = std::mem::take(&mut self.entry_buf);
+                        entry.encode_into(s, self.instance, &mut bytes);
                         let key = self.slot_key(s);
                         let written = store.set(&key, &bytes, None);
                         self.key_buf = key;
+                        // Kept for the next entry unless a large one (an event batch) grew it.
+                        if bytes.capacity() <= MAX_KEPT_ENTRY_BUF {
+                            self.entry_buf = bytes;
+                        }
                         // The slots not written stay pending: the readers skip them after
                         // PENDING_SKIP_MS and count them as lost.
                         written.inspect_err(|_| self.stats.errors += 1)?;

@@ -85,9 +85,15 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
     }
 }
 
-/// The body: the token-id fast path ([`super::token_ids`]) when the prompt is a plain token-id
-/// list, else serde alone ([`parse_body_serde`]), which also gives every error.
+/// The body: the direct reader ([`super::scan`]) when it has the common shape (a string prompt,
+/// or messages with string content), the token-id fast path ([`super::token_ids`]) when the
+/// prompt is a plain token-id list, else serde alone ([`parse_body_serde`]), which also gives
+/// every error.
 pub(super) fn parse_body(body: &[u8]) -> Result<RawBody, RequestError> {
+    #[cfg(target_arch = "wasm32")]
+    if let Some(raw) = super::scan::parse(body) {
+        return Ok(raw);
+    }
     match super::token_ids::parse_fast(body) {
         Some(raw) => Ok(raw),
         None => parse_body_serde(body),

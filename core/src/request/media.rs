@@ -72,6 +72,14 @@ pub(super) struct RawMessages {
     media: MediaList,
 }
 
+impl RawMessages {
+    /// Messages without content parts (so without media), as the body's fast reader
+    /// (`super::scan`) reads them.
+    pub(super) fn text_only(msgs: ChatMessages) -> RawMessages {
+        RawMessages { msgs, media: MediaList::default() }
+    }
+}
+
 /// A message holding media parts (content parts vLLM does not read as text).
 struct MediaMessage<'a> {
     /// Its index in `messages`.

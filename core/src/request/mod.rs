@@ -7,6 +7,7 @@ mod body;
 mod chat;
 mod headers;
 mod media;
+mod scan;
 mod token_ids;
 
 pub use chat::{ChatInput, ChatMessage, ChatMessageRef, ChatMessages, ChatMessagesIter, RawJson};
@@ -281,6 +282,28 @@ impl RouteRequest {
         V: AsRef<str>,
     {
         Self::parse_with(body, headers, cfg, parse_body_serde)
+    }
+
+    /// [`RouteRequest::parse`] through the direct reader of the common body shape alone (the
+    /// path wasm32 takes first: a string prompt, or messages with string content; see
+    /// `request/scan.rs`): `None` when the reader declines the body, else what `parse` gives.
+    /// For the differential tests and the `body_reader` fuzz target, which check that whatever
+    /// the reader takes, [`RouteRequest::parse_serde_only`] reads the same.
+    #[doc(hidden)]
+    pub fn parse_direct_reader<K, V>(
+        body: &[u8],
+        headers: impl IntoIterator<Item = (K, V)>,
+        cfg: &RequestConfig,
+    ) -> Option<Result<RouteRequest, RequestError>>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        fn read(body: &[u8]) -> Result<RawBody, RequestError> {
+            scan::parse(body).ok_or_else(|| RequestError::field("body", "declined by the direct reader"))
+        }
+        scan::parse(body)?;
+        Some(Self::parse_with(body, headers, cfg, read))
     }
 
     fn parse_with<K, V>(

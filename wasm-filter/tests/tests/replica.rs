@@ -331,3 +331,61 @@ fn without_a_replica_section_the_routes_are_ordinary_requests() {
     assert_eq!(status, 0, "not answered by the filter (Envoy's /kvroute/ route answers 503)");
     clean(&host);
 }
+
+/// The filter reads a body with the direct reader of `kvroute::request` (wasm32 only: 32 bytes
+/// of a string at a time with simd128) where the native core uses serde_json: the block keys of
+/// its decisions (in its export) must be the native core's, for prompts and chat contents with
+/// escapes, multi-byte text and JSON's special bytes at every offset around the reader's steps.
+#[test]
+fn the_filters_block_keys_are_the_native_cores_for_every_string_form() {
+    let (mut host, vms) = envoy(1, &json!({}), &json!({}));
+    let vm = vms[0];
+    let mut native = remote_router();
+    let filler: String = (0..90).map(|i| format!("w{i} ")).collect();
+    let specials = [r"\n", r#"\""#, r"\\", r"\/", r"\u00e9", r"\ud83d\ude00", "é", "日本", "😀", r"\t\r\b\f", "x"];
+    let mut bodies = Vec::new();
+    for (k, special) in specials.iter().enumerate() {
+        for at in 0..70 {
+            let text = format!("{}{special}{filler}{special}{}", "a".repeat(at), "b".repeat(k * 7));
+            let body = if at % 2 == 0 {
+                format!(r#"{{"model":"m","prompt":"{text}","max_tokens":{at}}}"#)
+            } else {
+                format!(
+                    r#"{{"model":"m","messages":[{{"role":"system","content":"{text}"}},{{"role":"user","content":"q{special}{at}","name":"n{special}"}}]}}"#
+                )
+            };
+            bodies.push(body.into_bytes());
+        }
+    }
+    let (mut want, mut got, mut cursor) = (Vec::new(), Vec::new(), None);
+    for (i, body) in bodies.iter().enumerate() {
+        let d = native.route_http(body, Vec::<(&str, &str)>::new(), now_ms(&host)).unwrap();
+        native.complete(&d.request_id).unwrap();
+        want.push(d.effect.unwrap().approx_keys.clone());
+        let (s, o) = route(&mut host, vm, body, &[]).unwrap();
+        assert!(o.upstream.is_some(), "{}", String::from_utf8_lossy(body));
+        host.finish_stream(s).unwrap();
+        // Read the export before the ring wraps.
+        if i % 64 == 63 || i + 1 == bodies.len() {
+            loop {
+                let (batch, next, lost, more) = export(&mut host, vm, cursor);
+                assert_eq!(lost, 0);
+                for e in batch.entries {
+                    if let ReplicaEntry::Effect(f) = e {
+                        got.push(f.approx_keys);
+                    }
+                }
+                cursor = Some(next);
+                if !more {
+                    break;
+                }
+            }
+        }
+    }
+    assert_eq!(got.len(), bodies.len());
+    for ((g, w), body) in got.iter().zip(&want).zip(&bodies) {
+        assert!(!w.is_empty());
+        assert_eq!(g, w, "{}", String::from_utf8_lossy(body));
+    }
+    clean(&host);
+}
