@@ -371,7 +371,7 @@ impl Router {
     }
 
     /// Take part in a fleet of router replicas (see [`RouterCore::enable_replication`]). The NATS
-    /// transport ([`Replicator`](crate::Replicator), feature `nats`) calls it for you.
+    /// transport (`Replicator`, feature `nats`) calls it for you.
     pub fn enable_replication(&self, cfg: crate::ReplicaConfig) -> Result<(), crate::ReplicaError> {
         self.lock().enable_replication(cfg)
     }
