@@ -4,6 +4,8 @@
 //! text, path, line and column).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod json_mutation;
+
 use kvroute::{Prompt, RequestConfig, RouteRequest};
 use proptest::prelude::*;
 
@@ -102,22 +104,11 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
     })
 }
 
-/// A mutation: insert, replace or delete a byte (JSON's significant bytes favoured).
-fn mutate(mut b: Vec<u8>, muts: Vec<(usize, u8, u8)>) -> Vec<u8> {
-    const BYTES: &[u8] = b"-+.eE0123456789,[]{}\" \n\\:x\x00\xff";
-    for (at, op, byte) in muts {
-        let at = at % (b.len() + 1);
-        let byte = BYTES[usize::from(byte) % BYTES.len()];
-        match op % 3 {
-            0 => b.insert(at, byte),
-            1 if at < b.len() => b[at] = byte,
-            _ if at < b.len() => {
-                b.remove(at);
-            }
-            _ => {}
-        }
-    }
-    b
+/// JSON's significant bytes and a few others, for the mutations.
+const MUTATION_BYTES: &[u8] = b"-+.eE0123456789,[]{}\" \n\\:x\x00\xff";
+
+fn mutate(b: Vec<u8>, muts: Vec<(usize, u8, u8)>) -> Vec<u8> {
+    json_mutation::mutate(b, muts, MUTATION_BYTES)
 }
 
 proptest! {

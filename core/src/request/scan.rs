@@ -536,6 +536,11 @@ impl<'a> Scanner<'a> {
     }
 }
 
+/// Shared with the token-id reader's property tests (`core/tests/token_ids.rs`).
+#[cfg(test)]
+#[path = "../../tests/json_mutation/mod.rs"]
+mod json_mutation;
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -788,22 +793,11 @@ mod tests {
         )
     }
 
-    /// A mutation: insert, replace or delete a byte (JSON's significant bytes favoured).
-    fn mutate(mut b: Vec<u8>, muts: Vec<(usize, u8, u8)>) -> Vec<u8> {
-        const BYTES: &[u8] = b"-+.eE0123456789,[]{}\" \n\\:unx\x00\x1f\xff";
-        for (at, op, byte) in muts {
-            let at = at % (b.len() + 1);
-            let byte = BYTES[usize::from(byte) % BYTES.len()];
-            match op % 3 {
-                0 => b.insert(at, byte),
-                1 if at < b.len() => b[at] = byte,
-                _ if at < b.len() => {
-                    b.remove(at);
-                }
-                _ => {}
-            }
-        }
-        b
+    /// JSON's significant bytes and a few others, for the mutations.
+    const MUTATION_BYTES: &[u8] = b"-+.eE0123456789,[]{}\" \n\\:unx\x00\x1f\xff";
+
+    fn mutate(b: Vec<u8>, muts: Vec<(usize, u8, u8)>) -> Vec<u8> {
+        super::json_mutation::mutate(b, muts, MUTATION_BYTES)
     }
 
     proptest! {
