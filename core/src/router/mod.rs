@@ -22,7 +22,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use arc_swap::ArcSwap;
@@ -75,10 +75,12 @@ pub struct Router {
     /// them back into the core for every call under the exclusive one (the core then holds no
     /// lock of its own). Taken after `core`, never before.
     books: Mutex<Books>,
-    /// Decisions under way (waiting for the lock or holding it; low 32 bits) and decisions
-    /// finished (high 32 bits, wrapping; bounds how long event application gives way): one
-    /// word, so a decision costs two atomic operations on it (see `yield_to_decisions`).
-    deciding: AtomicU64,
+    /// Decisions under way (waiting for the lock or holding it; low 32 bits) and finished
+    /// (high 32 bits, wrapping; bounds how long event application gives way), in stripes of a
+    /// cache line each: a thread writes its own stripe (two atomic additions per decision), so
+    /// threads deciding at once do not pass one line back and forth; event application reads
+    /// them all (see `yield_to_decisions`).
+    deciding: Box<[Stripe; DECIDING_STRIPES]>,
     /// Turns text and chat prompts into the engine's token ids for the precise index.
     #[cfg(feature = "tokenizer")]
     tokenizer: arc_swap::ArcSwapOption<crate::tokenize::Tokenizer>,
@@ -109,8 +111,26 @@ struct ThreadBufs {
 /// regardless: events are never held back longer than this many decisions.
 const EVENT_DEFER_DECISIONS: u64 = 8;
 
-/// A decision under way (see [`Router::deciding`]).
-struct Deciding<'a>(&'a Router);
+/// Stripes of the decisions-under-way count (see `Router::deciding`); a thread keeps one.
+const DECIDING_STRIPES: usize = 16;
+
+/// One stripe of the decisions-under-way count, alone on its cache line (two lines: adjacent-line
+/// prefetch pairs them on x86). Hand-written rather than crossbeam's `CachePadded`: the
+/// attribute is the whole of it, and core takes no dependency for one.
+#[derive(Default)]
+#[repr(align(128))]
+struct Stripe(AtomicU64);
+
+/// Hands out stripes to threads in turn.
+static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
+
+std::thread_local! {
+    /// This thread's stripe.
+    static STRIPE: usize = NEXT_STRIPE.fetch_add(1, Ordering::Relaxed) % DECIDING_STRIPES;
+}
+
+/// A decision under way on one stripe (see [`Router::deciding`]).
+struct Deciding<'a>(&'a AtomicU64);
 
 /// One decision finished and one fewer under way, in one addition (`DECIDED - 1` never borrows
 /// from the high half: the low half counts this decision).
@@ -118,7 +138,7 @@ const DECIDED: u64 = 1 << 32;
 
 impl Drop for Deciding<'_> {
     fn drop(&mut self) {
-        self.0.deciding.fetch_add(DECIDED - 1, Ordering::Release);
+        self.0.fetch_add(DECIDED - 1, Ordering::Release);
     }
 }
 
@@ -168,7 +188,7 @@ impl From<RouterCore> for Router {
             policy: ArcSwap::new(core.policy().clone()),
             core: RwLock::new(core),
             books: Mutex::new(books),
-            deciding: AtomicU64::new(0),
+            deciding: Box::default(),
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
         }
@@ -205,22 +225,33 @@ impl Router {
         self.books.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Count a decision under way until the guard drops.
+    /// Count a decision under way, on this thread's stripe, until the guard drops.
     fn deciding(&self) -> Deciding<'_> {
-        self.deciding.fetch_add(1, Ordering::Acquire);
-        Deciding(self)
+        let stripe = &self.deciding[STRIPE.with(|s| *s)].0;
+        stripe.fetch_add(1, Ordering::Acquire);
+        Deciding(stripe)
+    }
+
+    /// Decisions under way and finished (mod 2^32), summed over the stripes. Each stripe's
+    /// finished count wraps at 2^32, so the sum is exact mod 2^32.
+    fn decisions(&self, order: Ordering) -> (u64, u32) {
+        let (mut under_way, mut finished) = (0u64, 0u32);
+        for s in self.deciding.iter() {
+            let w = s.0.load(order);
+            under_way += w & (DECIDED - 1);
+            finished = finished.wrapping_add((w >> 32) as u32);
+        }
+        (under_way, finished)
     }
 
     /// Event application's turn: wait while decisions are under way, for at most
     /// `EVENT_DEFER_DECISIONS` of them to finish.
     fn yield_to_decisions(&self) {
-        let finished = |w: u64| w >> 32;
-        let start = finished(self.deciding.load(Ordering::Relaxed));
+        let (_, start) = self.decisions(Ordering::Relaxed);
         let mut spins = 0u32;
         loop {
-            let w = self.deciding.load(Ordering::Acquire);
-            let under_way = w & (DECIDED - 1);
-            if under_way == 0 || finished(w).wrapping_sub(start) & 0xffff_ffff >= EVENT_DEFER_DECISIONS {
+            let (under_way, finished) = self.decisions(Ordering::Acquire);
+            if under_way == 0 || u64::from(finished.wrapping_sub(start)) >= EVENT_DEFER_DECISIONS {
                 break;
             }
             if spins < 64 {

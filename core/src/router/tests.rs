@@ -247,3 +247,29 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
 }
+
+#[test]
+fn decisions_under_way_are_summed_over_every_stripe() {
+    let r = router();
+    assert_eq!(r.decisions(Ordering::SeqCst), (0, 0));
+    // This thread's guards count on its stripe.
+    let (a, b) = (r.deciding(), r.deciding());
+    assert_eq!(r.decisions(Ordering::SeqCst), (2, 0));
+    drop(a);
+    assert_eq!(r.decisions(Ordering::SeqCst), (1, 1));
+    drop(b);
+    assert_eq!(r.decisions(Ordering::SeqCst), (0, 2));
+    // Other threads' stripes (written here as their guards would), finished counts wrapping
+    // at 2^32 on their own: the sum is exact mod 2^32.
+    let mine = STRIPE.with(|s| *s);
+    let (x, y) = ((mine + 1) % DECIDING_STRIPES, (mine + 5) % DECIDING_STRIPES);
+    r.deciding[x].0.store((u64::from(u32::MAX) << 32) | 3, Ordering::SeqCst);
+    r.deciding[y].0.store((7 << 32) | 1, Ordering::SeqCst);
+    assert_eq!(r.decisions(Ordering::SeqCst), (4, 2u32.wrapping_add(u32::MAX).wrapping_add(7)));
+    let (_, before) = r.decisions(Ordering::SeqCst);
+    // One of x's decisions finishes: its finished count wraps to 0, the sum moves by one.
+    r.deciding[x].0.fetch_add(DECIDED - 1, Ordering::SeqCst);
+    let (under_way, after) = r.decisions(Ordering::SeqCst);
+    assert_eq!((under_way, after.wrapping_sub(before)), (3, 1));
+    assert_eq!(r.deciding[x].0.load(Ordering::SeqCst), 2);
+}
