@@ -9,9 +9,10 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use kvroute::{BlockStored, EndpointSpec, EventBatch, KvEvent, Medium, MetricsSnapshot, Policy, Role};
-use kvroute::{Router, RouterCore, StateError};
+use kvroute::{RouteRequest, Router, RouterCore, StateError};
 
 const ENDPOINTS: usize = 6;
 /// Short in-flight timeout and speculation TTL, so expiry comes due during the sequences.
@@ -277,4 +278,37 @@ fn shared_router_with_events_health_and_endpoint_churn() {
     assert_settled(&router, 800);
     assert_eq!(router.stats().precise.batches, applied, "every batch applied once");
     assert_eq!(router.complete("kvr-1"), Err(StateError::UnknownRequest { request_id: "kvr-1".into() }));
+}
+
+/// A decision made while the thread's own thread-locals are being destroyed (from another
+/// thread-local's destructor, as a host runtime's per-thread state may) routes normally instead of
+/// panicking on the router's per-thread buffers.
+#[test]
+fn a_decision_from_a_thread_local_destructor_routes() {
+    struct RoutesOnDrop(Option<(Arc<Router>, std::sync::mpsc::Sender<bool>)>);
+    impl Drop for RoutesOnDrop {
+        fn drop(&mut self) {
+            if let Some((router, done)) = self.0.take() {
+                let routed = router.route(&RouteRequest::text("m", &"x".repeat(4096)), 10).is_ok();
+                let _ = done.send(routed);
+            }
+        }
+    }
+    std::thread_local! {
+        static LATE: std::cell::RefCell<RoutesOnDrop> = const { std::cell::RefCell::new(RoutesOnDrop(None)) };
+    }
+    let router = Arc::new(Router::default());
+    router.upsert_endpoint(EndpointSpec::new("10.0.0.1:8000", Role::Decode)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let r = router.clone();
+    std::thread::spawn(move || {
+        // Registered first, destroyed last: after the router's buffers (registered by the
+        // decision below).
+        LATE.with(|l| l.borrow_mut().0 = Some((r.clone(), tx)));
+        r.route(&RouteRequest::text("m", "hello"), 0).unwrap();
+    })
+    .join()
+    .unwrap();
+    assert!(rx.recv().unwrap(), "the late decision failed");
+    assert_eq!(router.stats().inflight_requests, 2);
 }

@@ -227,7 +227,8 @@ impl Router {
 
     /// Count a decision under way, on this thread's stripe, until the guard drops.
     fn deciding(&self) -> Deciding<'_> {
-        let stripe = &self.deciding[STRIPE.with(|s| *s)].0;
+        // Stripe 0 while the thread's locals are being destroyed.
+        let stripe = &self.deciding[STRIPE.try_with(|s| *s).unwrap_or(0)].0;
         stripe.fetch_add(1, Ordering::Acquire);
         Deciding(stripe)
     }
@@ -606,22 +607,22 @@ impl Router {
     }
 
     fn route_with(&self, active: &ActivePolicy, req: &RouteRequest, now_ms: u64) -> Result<Decision, RouteError> {
-        BUFS.with(|cell| {
-            let mut bufs = cell.take();
+        // The thread's buffers; fresh ones while its thread-locals are being destroyed (a
+        // decision made from another thread-local's destructor).
+        let mut bufs = BUFS.try_with(std::cell::Cell::take).unwrap_or_default();
+        #[cfg(feature = "tokenizer")]
+        let tok = self.tokenizer.load();
+        prepare_keys(
+            active,
             #[cfg(feature = "tokenizer")]
-            let tok = self.tokenizer.load();
-            prepare_keys(
-                active,
-                #[cfg(feature = "tokenizer")]
-                tok.as_deref(),
-                req,
-                &mut bufs.keys,
-                now_ms,
-            );
-            let out = self.decide(active, req, &bufs.keys, &mut bufs.decide, now_ms);
-            cell.replace(bufs);
-            out
-        })
+            tok.as_deref(),
+            req,
+            &mut bufs.keys,
+            now_ms,
+        );
+        let out = self.decide(active, req, &bufs.keys, &mut bufs.decide, now_ms);
+        let _ = BUFS.try_with(|cell| cell.set(bufs));
+        out
     }
 
     /// The decision: the read phase under the shared lock, the write phase under the exclusive
