@@ -11,7 +11,8 @@
 //!   precise index (dual keys, 64 endpoints, fed with 256 conversations' `BlockStored` events)
 //!   alone, then while a second thread applies `BlockStored` batches through
 //!   `Router::apply_batch` as fast as it can: lookups per second and the slowdown, with the
-//!   applier's rate.
+//!   applier's rate, and the range of the runs' own slowdowns (each run alone and beside the
+//!   applier back to back), which shows how far the machine moved the figure.
 //!
 //! `KVROUTE_THREADS_PART=scaling` (or `precise-scaling`) runs one scaling part alone, shared
 //! router only (e.g. under a profiler).
@@ -339,6 +340,10 @@ fn main() {
         beside.push(l);
         applied_beside.push(a);
     }
+    // Each run's own slowdown (its lookups alone against beside the applier, back to back): their
+    // spread shows how far the machine moved the figure in this session.
+    let pair_slow: Vec<f64> = alone.iter().zip(&with).map(|(a, w)| (1.0 - w / a) * 100.0).collect();
+    let (pair_min, pair_max) = pair_slow.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
     let (alone, with, applied) = (median(alone), median(with), median(applied));
     let (beside, applied_beside) = (median(beside), median(applied_beside));
 
@@ -382,6 +387,7 @@ fn main() {
         applied * 8.0,
         if slow <= 10.0 { "met" } else { "NOT met" }
     );
+    println!("  (each of the {RUNS} runs back to back: {pair_min:.1}% to {pair_max:.1}% slower)");
     println!(
         "- the machine's own interference: {beside:.0} lookups/s ({:.1}% slower) with the applier on another router at {:.0} batches/s",
         (1.0 - beside / alone) * 100.0,
