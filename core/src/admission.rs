@@ -2,21 +2,6 @@
 
 use crate::config::PolicyConfig;
 use crate::decision::Shed;
-use crate::endpoints::EndpointState;
-use crate::score::metrics_fresh;
-
-/// Saturation of one endpoint (the pool's saturation is the mean over healthy decode-capable
-/// endpoints): `max(waiting / queue_threshold, kv_usage / kv_threshold)`, or 1.0
-/// when its metrics are stale or missing (an endpoint we cannot see is assumed full).
-pub(crate) fn endpoint_saturation(cfg: &PolicyConfig, ep: &EndpointState, now_ms: u64) -> f64 {
-    match &ep.metrics {
-        Some(m) if metrics_fresh(ep, cfg, now_ms) => {
-            let a = &cfg.admission;
-            (f64::from(m.waiting) / a.queue_threshold).max(m.kv_usage / a.kv_threshold)
-        }
-        _ => 1.0,
-    }
-}
 
 /// Shed when the pool is saturated (≥ 1.0) and the request is sheddable (priority < 0).
 pub(crate) fn admit(cfg: &PolicyConfig, saturation: f64, priority: i32) -> Option<Shed> {
@@ -36,7 +21,8 @@ pub(crate) fn admit(cfg: &PolicyConfig, saturation: f64, priority: i32) -> Optio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::endpoints::{MetricsSnapshot, Role};
+    use crate::endpoints::{EndpointState, MetricsSnapshot, Role};
+    use crate::score::Scorer;
     use std::sync::Arc;
 
     fn ep(m: Option<MetricsSnapshot>) -> EndpointState {
@@ -49,6 +35,12 @@ mod tests {
             kv_per_request: 0.0,
             incarnation: 1,
         }
+    }
+
+    /// An endpoint's saturation as the decision computes it (`Scorer::saturation`).
+    fn endpoint_saturation(cfg: &PolicyConfig, ep: &EndpointState, now_ms: u64) -> f64 {
+        let scorer = Scorer::new(cfg, None, now_ms);
+        scorer.saturation(ep, scorer.fresh(ep))
     }
 
     #[test]

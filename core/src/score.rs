@@ -5,8 +5,8 @@ use std::sync::Arc;
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::config::{PickerConfig, PolicyConfig};
-use crate::endpoints::{EndpointState, Role};
+use crate::config::{PickerConfig, PolicyConfig, ScoreWeights, ScoringConfig};
+use crate::endpoints::{EndpointState, MetricsSnapshot, Role};
 
 /// Why an endpoint was filtered out of the candidates (most severe reason only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -73,8 +73,8 @@ impl EndpointScore {
     }
 }
 
-/// Inputs for one endpoint's score.
-pub(crate) struct FeatureInputs<'a> {
+/// What one endpoint's score takes from the index match and the request.
+pub(crate) struct FeatureInputs {
     pub matched_blocks: u32,
     /// Prompt tokens those blocks cover.
     pub cached_tokens: u64,
@@ -84,22 +84,147 @@ pub(crate) struct FeatureInputs<'a> {
     pub weighted_blocks: f64,
     /// `1 / request blocks` (0 when the request has no full block).
     pub hit_per_block: f64,
-    pub lora_adapter: Option<&'a str>,
     pub session_here: bool,
-    pub now_ms: u64,
 }
 
-pub(crate) fn metrics_fresh(ep: &EndpointState, cfg: &PolicyConfig, now_ms: u64) -> bool {
+#[cfg(test)]
+fn metrics_fresh(ep: &EndpointState, cfg: &PolicyConfig, now_ms: u64) -> bool {
     ep.metrics.as_ref().is_some_and(|m| now_ms.saturating_sub(m.updated_ms) <= cfg.metrics.staleness_ms)
 }
 
-pub(crate) fn score_endpoint(cfg: &PolicyConfig, ep: &EndpointState, f: &FeatureInputs<'_>) -> EndpointScore {
+/// Scores endpoints for one decision: the policy's parameters read once (a decision scores
+/// every endpoint, hundreds of them in a large fleet), each endpoint then in one inlined pass
+/// that also gives its saturation. The arithmetic is [`score_endpoint`]'s, operation for
+/// operation, so the results are the same bits.
+pub(crate) struct Scorer<'a> {
+    cfg: &'a PolicyConfig,
+    weights: ScoreWeights,
+    queue_reference: f64,
+    inflight_reference: f64,
+    staleness_ms: u64,
+    exclude_stale: bool,
+    /// A filter limit is set (`max_waiting` or `max_kv_usage`).
+    limits: bool,
+    lora_adapter: Option<&'a str>,
+    now_ms: u64,
+}
+
+impl<'a> Scorer<'a> {
+    pub(crate) fn new(cfg: &'a PolicyConfig, lora_adapter: Option<&'a str>, now_ms: u64) -> Self {
+        let s = &cfg.scoring;
+        Scorer {
+            cfg,
+            weights: s.weights.clone(),
+            queue_reference: s.queue_reference,
+            inflight_reference: s.inflight_reference,
+            staleness_ms: cfg.metrics.staleness_ms,
+            exclude_stale: s.filters.exclude_stale,
+            limits: s.filters.max_waiting.is_some() || s.filters.max_kv_usage.is_some(),
+            lora_adapter,
+            now_ms,
+        }
+    }
+
+    /// `ep`'s score breakdown, and whether its metrics are fresh.
+    #[inline(always)]
+    pub(crate) fn score(&self, ep: &EndpointState, f: &FeatureInputs) -> (EndpointScore, bool) {
+        let fresh = self.fresh(ep);
+        let prefix_hit = (f.weighted_blocks * f.hit_per_block).min(1.0);
+        let (queue, kv_usage, lora) = match &ep.metrics {
+            Some(m) => {
+                let lora = match self.lora_adapter {
+                    None => 0.0,
+                    Some(a) => lora_affinity(&self.cfg.scoring, m, a),
+                };
+                (f64::from(ep.load.waiting_now()) / self.queue_reference, ep.load.kv_usage_now(), lora)
+            }
+            None => (0.0, 0.0, 0.0),
+        };
+        let session = if f.session_here { 1.0 } else { 0.0 };
+        let inflight = f64::from(ep.load.inflight()) / self.inflight_reference;
+        let w = &self.weights;
+        let total = w.prefix * prefix_hit + w.lora * lora + w.session * session
+            - w.queue * queue
+            - w.kv_usage * kv_usage
+            - w.inflight * inflight;
+        let filtered = if !ep.healthy {
+            Some(FilterReason::Unhealthy)
+        } else if !fresh && self.exclude_stale {
+            Some(FilterReason::StaleMetrics)
+        } else if fresh && self.limits && overloaded(self.cfg, ep) {
+            Some(FilterReason::Saturated)
+        } else {
+            None
+        };
+        let score = EndpointScore {
+            role: ep.role,
+            filtered,
+            matched_blocks: f.matched_blocks,
+            cached_tokens: f.cached_tokens,
+            precise: f.precise,
+            prefix_hit,
+            lora,
+            queue,
+            kv_usage,
+            session,
+            inflight,
+            total,
+        };
+        (score, fresh)
+    }
+
+    /// Whether `ep`'s metrics are no older than `metrics.staleness_ms`.
+    #[inline(always)]
+    pub(crate) fn fresh(&self, ep: &EndpointState) -> bool {
+        ep.metrics.as_ref().is_some_and(|m| self.now_ms.saturating_sub(m.updated_ms) <= self.staleness_ms)
+    }
+
+    /// Saturation of one endpoint (the pool's saturation is the mean over healthy decode-capable
+    /// endpoints): `max(waiting / queue_threshold, kv_usage / kv_threshold)`, or 1.0 when its
+    /// metrics are stale or missing (an endpoint we cannot see is assumed full). `fresh` is
+    /// [`Scorer::fresh`] of `ep`.
+    #[inline(always)]
+    pub(crate) fn saturation(&self, ep: &EndpointState, fresh: bool) -> f64 {
+        match &ep.metrics {
+            Some(m) if fresh => {
+                let a = &self.cfg.admission;
+                (f64::from(m.waiting) / a.queue_threshold).max(m.kv_usage / a.kv_threshold)
+            }
+            _ => 1.0,
+        }
+    }
+}
+
+/// The LoRA affinity of an endpoint with metrics `m` for adapter `a` (out of line: most
+/// requests name no adapter).
+#[inline(never)]
+fn lora_affinity(s: &ScoringConfig, m: &MetricsSnapshot, a: &str) -> f64 {
+    if m.lora_running.iter().any(|x| x == a) {
+        s.lora_affinity.running
+    } else if m.lora_waiting.iter().any(|x| x == a) {
+        s.lora_affinity.waiting
+    } else if m.max_lora.is_some_and(|max| (m.lora_running.len() as u64) < u64::from(max)) {
+        s.lora_affinity.room
+    } else {
+        0.0
+    }
+}
+
+/// One endpoint's score breakdown (the reference for [`Scorer::score`]).
+#[cfg(test)]
+pub(crate) fn score_endpoint(
+    cfg: &PolicyConfig,
+    ep: &EndpointState,
+    f: &FeatureInputs,
+    lora_adapter: Option<&str>,
+    now_ms: u64,
+) -> EndpointScore {
     let s = &cfg.scoring;
-    let fresh = metrics_fresh(ep, cfg, f.now_ms);
+    let fresh = metrics_fresh(ep, cfg, now_ms);
     let prefix_hit = (f.weighted_blocks * f.hit_per_block).min(1.0);
     let (queue, kv_usage, lora) = match &ep.metrics {
         Some(m) => {
-            let lora = match f.lora_adapter {
+            let lora = match lora_adapter {
                 None => 0.0,
                 Some(a) if m.lora_running.iter().any(|x| x == a) => s.lora_affinity.running,
                 Some(a) if m.lora_waiting.iter().any(|x| x == a) => s.lora_affinity.waiting,
@@ -262,6 +387,94 @@ mod tests {
 
     fn s(_id: &str, total: f64) -> EndpointScore {
         EndpointScore { role: Role::Decode, filtered: None, total, ..EndpointScore::unavailable() }
+    }
+
+    /// An endpoint for the scorer's property test: `sent` requests sent since its snapshot.
+    #[allow(clippy::too_many_arguments)]
+    fn endpoint(
+        role: Role,
+        healthy: bool,
+        metrics: Option<(u32, u32, f64, u64, Option<u32>)>,
+        lora: (bool, bool),
+        sent: u32,
+        inflight: u32,
+    ) -> EndpointState {
+        let mut ep = EndpointState {
+            id: Arc::from("10.0.0.1:8000"),
+            role,
+            healthy,
+            metrics: None,
+            load: crate::endpoints::Load::default(),
+            kv_per_request: 0.0,
+            incarnation: 1,
+        };
+        if let Some((waiting, running, kv_usage, updated_ms, max_lora)) = metrics {
+            ep.set_metrics(MetricsSnapshot {
+                waiting,
+                running,
+                kv_usage,
+                lora_running: if lora.0 { vec!["a".into()] } else { Vec::new() },
+                lora_waiting: if lora.1 { vec!["b".into()] } else { Vec::new() },
+                max_lora,
+                kv_capacity_tokens: None,
+                updated_ms,
+            });
+        }
+        for _ in 0..sent {
+            ep.sent();
+        }
+        ep.load.set_requests(inflight);
+        ep
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+
+        /// The decision's scorer gives exactly (bit for bit) what the plain per-endpoint formula
+        /// gives, for every role, health, metrics state, filter and LoRA case.
+        #[test]
+        fn scorer_matches_the_reference_formula(
+            role in proptest::sample::select(vec![Role::Decode, Role::Prefill, Role::Both]),
+            healthy: bool,
+            metrics in proptest::option::of((0u32..40, 0u32..20, 0.0f64..=1.0, 0u64..3_000, proptest::option::of(0u32..4))),
+            lora: (bool, bool),
+            sent in 0u32..5,
+            inflight in 0u32..50,
+            weights in proptest::array::uniform6(0.0f64..3.0),
+            refs in (0.5f64..64.0, 0.5f64..64.0, 0.1f64..64.0, 0.05f64..=1.0),
+            filters in (proptest::bool::ANY, proptest::option::of(1.0f64..30.0), proptest::option::of(0.1f64..=1.0)),
+            staleness_ms in 0u64..2_000,
+            now_ms in 0u64..4_000,
+            adapter in proptest::sample::select(vec![None, Some("a"), Some("b"), Some("c")]),
+            matched_blocks in 0u32..200,
+            weighted in 0.0f64..200.0,
+            hit_per_block in proptest::sample::select(vec![0.0, 1.0 / 128.0, 1.0 / 3.0, 1.0]),
+            session_here: bool,
+            precise: bool,
+        ) {
+            let mut cfg = PolicyConfig::default();
+            let s = &mut cfg.scoring;
+            let [prefix, lora_w, queue, kv_usage, session, inflight_w] = weights;
+            s.weights = ScoreWeights { prefix, lora: lora_w, queue, kv_usage, session, inflight: inflight_w };
+            (s.queue_reference, s.inflight_reference) = (refs.0, refs.1);
+            (s.filters.exclude_stale, s.filters.max_waiting, s.filters.max_kv_usage) = filters;
+            (cfg.admission.queue_threshold, cfg.admission.kv_threshold) = (refs.2, refs.3);
+            cfg.metrics.staleness_ms = staleness_ms;
+            let ep = endpoint(role, healthy, metrics, lora, sent, inflight);
+            let f = FeatureInputs {
+                matched_blocks,
+                cached_tokens: u64::from(matched_blocks) * 16,
+                precise,
+                weighted_blocks: weighted,
+                hit_per_block,
+                session_here,
+            };
+            let scorer = Scorer::new(&cfg, adapter, now_ms);
+            let (got, fresh) = scorer.score(&ep, &f);
+            let want = score_endpoint(&cfg, &ep, &f, adapter, now_ms);
+            proptest::prop_assert_eq!(format!("{got:?}"), format!("{want:?}"));
+            proptest::prop_assert_eq!(fresh, metrics_fresh(&ep, &cfg, now_ms));
+        }
     }
 
     #[test]

@@ -29,7 +29,7 @@ use crate::endpoints::{EndpointTable, Role};
 use crate::error::RouteError;
 use crate::index::{MatchScratch, MatchWeights, PrefixMatch};
 use crate::request::RouteRequest;
-use crate::score::{self, EndpointScore, FeatureInputs};
+use crate::score::{self, EndpointScore};
 
 /// A request's keys, computed before the state is touched.
 #[derive(Debug, Default)]
@@ -124,7 +124,12 @@ pub(crate) struct DecideScratch {
     scratch: MatchScratch,
     /// `slots[i]` is the slot of the roster's `i`-th endpoint.
     slots: Vec<u16>,
+    /// Decode candidates (roster indexes): the unfiltered ones, or the pick's relaxation.
     cands: Vec<usize>,
+    /// Prefill candidates, likewise.
+    pcands: Vec<usize>,
+    /// The roster has an endpoint with role prefill.
+    prefill_pool: bool,
 }
 
 /// The read phase's result: everything the decision reads from the state, for the write phase
@@ -553,16 +558,27 @@ impl RouterCore {
             (per_block(keys.hit_blocks()), per_block(bufs.precise.hit_blocks()));
         let roster = self.endpoints.roster().clone();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
-        let mut slots = std::mem::take(&mut s.slots);
-        slots.clear();
+        let order = self.endpoints.order();
+        s.slots.clear();
+        s.slots.extend_from_slice(order);
+        // The pools' candidates that no filter removed, gathered here for the picks (which
+        // relax the filters only when this leaves a pool empty).
+        s.cands.clear();
+        s.pcands.clear();
+        s.prefill_pool = false;
+        let scorer = score::Scorer::new(cfg, req.lora_adapter.as_deref(), now_ms);
+        let session_slot = session_ref.map(|r| r.slot);
+        let approx_block_tokens = u64::from(cfg.index.block_tokens);
+        let precise_block_tokens = u64::from(active.precise_keys.block_tokens());
         let (mut saturation_sum, mut pool_size) = (0.0, 0u32);
-        for &slot in self.endpoints.order() {
-            slots.push(slot);
+        let DecideScratch { matched, pmatched, cands, pcands, prefill_pool, .. } = s;
+        // One pass, written straight into `scores` (an exact-size iterator: no capacity check
+        // per endpoint).
+        scores.extend(order.iter().enumerate().map(|(k, &slot)| {
             let Some(ep) = self.endpoints.get(slot) else {
                 // Unreachable (order only lists occupied slots); keep scores aligned with the
                 // roster and never pick it.
-                scores.push(EndpointScore::unavailable());
-                continue;
+                return EndpointScore::unavailable();
             };
             let i = slot as usize;
             // Precise mode always reads the precise index; hybrid reads it for endpoints whose
@@ -573,28 +589,35 @@ impl RouterCore {
                 IndexMode::Hybrid => precise_valid && self.kv.healthy(i, now_ms),
             };
             let (m, hit_per_block, block_tokens) = if precise {
-                (&s.pmatched, precise_per_block, active.precise_keys.block_tokens())
+                (&*pmatched, precise_per_block, precise_block_tokens)
             } else {
-                (&s.matched, approx_per_block, cfg.index.block_tokens)
+                (&*matched, approx_per_block, approx_block_tokens)
             };
             let matched_blocks = m.blocks.get(i).copied().unwrap_or(0);
-            let inputs = FeatureInputs {
+            let inputs = score::FeatureInputs {
                 matched_blocks,
                 weighted_blocks: m.weighted.get(i).copied().unwrap_or(0.0),
                 hit_per_block,
-                cached_tokens: (u64::from(matched_blocks) * u64::from(block_tokens)).min(input_tokens),
+                cached_tokens: (u64::from(matched_blocks) * block_tokens).min(input_tokens),
                 precise,
-                lora_adapter: req.lora_adapter.as_deref(),
-                session_here: session_ref.is_some_and(|r| r.slot == slot),
-                now_ms,
+                session_here: session_slot == Some(slot),
             };
-            scores.push(score::score_endpoint(cfg, ep, &inputs));
-            if ep.role.decodes() && ep.healthy {
-                saturation_sum += admission::endpoint_saturation(cfg, ep, now_ms);
+            let (score, fresh) = scorer.score(ep, &inputs);
+            let role = score.role;
+            if score.filtered.is_none() {
+                if role.decodes() {
+                    cands.push(k);
+                } else if role == Role::Prefill {
+                    pcands.push(k);
+                }
+            }
+            *prefill_pool |= role == Role::Prefill;
+            if role.decodes() && ep.healthy {
+                saturation_sum += scorer.saturation(ep, fresh);
                 pool_size += 1;
             }
-        }
-        s.slots = slots;
+            score
+        }));
         let saturation = if pool_size == 0 { 0.0 } else { saturation_sum / f64::from(pool_size) };
         let output = req.effective_max_tokens().unwrap_or(cfg.flow_control.attained_service.unbounded_output_tokens);
         let tokens = input_tokens.saturating_add(u64::from(output));
@@ -631,7 +654,8 @@ impl RouterCore {
         f: &Features,
         s: &mut DecideScratch,
     ) -> Option<Pick> {
-        let relaxed = score::candidates(&f.scores, Role::decodes, &mut s.cands);
+        // The features pass gathered the unfiltered decode candidates; relax only without any.
+        let relaxed = s.cands.is_empty() && score::candidates(&f.scores, Role::decodes, &mut s.cands);
         let d = self.pick_among(active, f, &s.slots, &s.cands, keys.approx.anchor);
         let d = d?;
         let modes = &active.policy.config().modes;
@@ -649,8 +673,10 @@ impl RouterCore {
         pick: &Pick,
         s: &mut DecideScratch,
     ) -> ModeChoice {
-        let relaxed_p = score::candidates(&f.scores, |r| r == Role::Prefill, &mut s.cands);
-        let prefill = self.pick_among(active, f, &s.slots, &s.cands, keys.approx.anchor ^ 0x5046);
+        let relaxed_p = s.pcands.is_empty()
+            && s.prefill_pool
+            && score::candidates(&f.scores, |r| r == Role::Prefill, &mut s.pcands);
+        let prefill = self.pick_among(active, f, &s.slots, &s.pcands, keys.approx.anchor ^ 0x5046);
         let relaxed = pick.relaxed | (relaxed_p && prefill.is_some());
         let d = &f.scores[pick.d];
         let d_ep = s.slots.get(pick.d).and_then(|&slot| self.endpoints.get(slot));
