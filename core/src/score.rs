@@ -339,31 +339,76 @@ fn max_score(
     anchor: u64,
     last_assigned: impl Fn(usize) -> Option<u64>,
 ) -> Option<usize> {
-    let rendezvous = |i: usize| xxh3_64_with_seed(ids[i].as_bytes(), anchor);
-    let (&first, rest) = cands.split_first()?;
-    // (index, rendezvous hash computed only once a tie needs it)
-    let mut best = (first, None::<u64>);
-    for &i in rest {
-        let d = scores[i].total - scores[best.0].total;
+    let mut walk = MaxScoreWalk::default();
+    for &i in cands {
+        walk.offer(i, scores[i].total, ids, anchor, &last_assigned);
+    }
+    walk.best()
+}
+
+/// The max-score picker, offered the candidates one by one in candidate order (so a decision
+/// can pick while it scores): the highest total; within [`TIE_EPSILON`] of it, the least
+/// recently assigned endpoint (`None`, never, is the least), then the highest rendezvous hash
+/// of (request anchor, endpoint id).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct MaxScoreWalk {
+    /// (index, its total, its rendezvous hash once a tie needed it)
+    best: Option<(usize, f64, Option<u64>)>,
+}
+
+impl MaxScoreWalk {
+    /// Offer candidate `i` with score total `total`.
+    #[inline(always)]
+    pub(crate) fn offer(
+        &mut self,
+        i: usize,
+        total: f64,
+        ids: &[Arc<str>],
+        anchor: u64,
+        last_assigned: impl Fn(usize) -> Option<u64>,
+    ) {
+        let Some((b, best_total, b_hash)) = self.best else {
+            self.best = Some((i, total, None));
+            return;
+        };
+        let d = total - best_total;
         if d > TIE_EPSILON {
-            best = (i, None);
+            self.best = Some((i, total, None));
         } else if d.abs() <= TIE_EPSILON {
-            // Tied: the least recently assigned endpoint first (`None`, never, is the least),
-            // then the highest rendezvous hash of (request anchor, endpoint id).
-            match last_assigned(i).cmp(&last_assigned(best.0)) {
-                std::cmp::Ordering::Less => best = (i, None),
-                std::cmp::Ordering::Greater => {}
-                std::cmp::Ordering::Equal => {
-                    let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
-                    let r = rendezvous(i);
-                    if r > b {
-                        best = (i, Some(r));
-                    }
-                }
+            self.tie(i, total, ids, anchor, last_assigned, b, b_hash);
+        }
+    }
+
+    /// A tie with the best so far (`b`, whose rendezvous hash is `b_hash` if computed).
+    #[cold]
+    #[allow(clippy::too_many_arguments)]
+    fn tie(
+        &mut self,
+        i: usize,
+        total: f64,
+        ids: &[Arc<str>],
+        anchor: u64,
+        last_assigned: impl Fn(usize) -> Option<u64>,
+        b: usize,
+        b_hash: Option<u64>,
+    ) {
+        let rendezvous = |i: usize| ids.get(i).map_or(0, |id| xxh3_64_with_seed(id.as_bytes(), anchor));
+        match last_assigned(i).cmp(&last_assigned(b)) {
+            std::cmp::Ordering::Less => self.best = Some((i, total, None)),
+            std::cmp::Ordering::Greater => {}
+            std::cmp::Ordering::Equal => {
+                let bh = b_hash.unwrap_or_else(|| rendezvous(b));
+                let r = rendezvous(i);
+                self.best =
+                    if r > bh { Some((i, total, Some(r))) } else { self.best.map(|(b, t, _)| (b, t, Some(bh))) };
             }
         }
     }
-    Some(best.0)
+
+    /// The candidate picked (`None`: none offered).
+    pub(crate) fn best(&self) -> Option<usize> {
+        self.best.map(|(i, _, _)| i)
+    }
 }
 
 pub(crate) fn splitmix64(mut x: u64) -> u64 {
@@ -474,6 +519,67 @@ mod tests {
             let want = score_endpoint(&cfg, &ep, &f, adapter, now_ms);
             proptest::prop_assert_eq!(format!("{got:?}"), format!("{want:?}"));
             proptest::prop_assert_eq!(fresh, metrics_fresh(&ep, &cfg, now_ms));
+        }
+    }
+
+    /// The max-score picker as one loop over the candidates (the reference for
+    /// [`MaxScoreWalk`]).
+    fn max_score_reference(
+        ids: &[Arc<str>],
+        scores: &[EndpointScore],
+        cands: &[usize],
+        anchor: u64,
+        last_assigned: impl Fn(usize) -> Option<u64>,
+    ) -> Option<usize> {
+        let rendezvous = |i: usize| xxh3_64_with_seed(ids[i].as_bytes(), anchor);
+        let (&first, rest) = cands.split_first()?;
+        let mut best = (first, None::<u64>);
+        for &i in rest {
+            let d = scores[i].total - scores[best.0].total;
+            if d > TIE_EPSILON {
+                best = (i, None);
+            } else if d.abs() <= TIE_EPSILON {
+                match last_assigned(i).cmp(&last_assigned(best.0)) {
+                    std::cmp::Ordering::Less => best = (i, None),
+                    std::cmp::Ordering::Greater => {}
+                    std::cmp::Ordering::Equal => {
+                        let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
+                        let r = rendezvous(i);
+                        if r > b {
+                            best = (i, Some(r));
+                        }
+                    }
+                }
+            }
+        }
+        Some(best.0)
+    }
+
+    proptest::proptest! {
+        /// The walk picks what the plain loop picks, with many exact and near ties (totals a
+        /// few epsilons apart) and repeated assignment times.
+        #[test]
+        fn max_score_walk_matches_the_reference(
+            totals in proptest::collection::vec(0u8..6, 1..40),
+            nudges in proptest::collection::vec(0u8..3, 40),
+            assigned in proptest::collection::vec(proptest::option::of(0u64..3), 40),
+            cands in proptest::collection::vec(0usize..40, 0..40),
+            anchor: u64,
+        ) {
+            let n = totals.len();
+            let names: Vec<String> = (0..n).map(|i| format!("10.0.0.{i}:8000")).collect();
+            let id = ids(&names.iter().map(String::as_str).collect::<Vec<_>>());
+            let scores: Vec<EndpointScore> = totals
+                .iter()
+                .zip(&nudges)
+                .map(|(&t, &e)| s("", f64::from(t) * 0.25 + f64::from(e) * TIE_EPSILON * 0.75))
+                .collect();
+            let cands: Vec<usize> = cands.into_iter().filter(|&i| i < n).collect();
+            let last = |i: usize| assigned[i];
+            proptest::prop_assert_eq!(
+                max_score(&id, &scores, &cands, anchor, last),
+                max_score_reference(&id, &scores, &cands, anchor, last)
+            );
         }
     }
 

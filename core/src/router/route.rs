@@ -22,14 +22,14 @@ use super::policy::ActivePolicy;
 use super::state::{bound_inflight, track, Books, RouterCore};
 use crate::admission;
 use crate::approx::RequestKeys;
-use crate::config::IndexMode;
+use crate::config::{IndexMode, PickerConfig};
 use crate::decision::{self, Decision, Judgment, Mode, ModeInputs, Outcome, Rule, Shed, TransferEstimate};
 use crate::effect::RoutingEffect;
 use crate::endpoints::{EndpointTable, Role};
 use crate::error::RouteError;
 use crate::index::{MatchScratch, MatchWeights, PrefixMatch};
 use crate::request::RouteRequest;
-use crate::score::{self, EndpointScore};
+use crate::score::{self, EndpointScore, MaxScoreWalk};
 
 /// A request's keys, computed before the state is touched.
 #[derive(Debug, Default)]
@@ -188,6 +188,9 @@ struct Features {
     saturation: f64,
     /// The picker's draws so far (the tie-break's randomness; the write phase counts this one).
     draws: u64,
+    /// The max-score picker's decode pick among the unfiltered candidates, made while scoring
+    /// (`None`: another picker, or no unfiltered decode candidate).
+    decode_pick: Option<usize>,
 }
 
 /// The decode endpoint picked.
@@ -571,6 +574,15 @@ impl RouterCore {
         let approx_block_tokens = u64::from(cfg.index.block_tokens);
         let precise_block_tokens = u64::from(active.precise_keys.block_tokens());
         let (mut saturation_sum, mut pool_size) = (0.0, 0u32);
+        // With the max-score picker the decode pick is made during the pass, among the
+        // unfiltered decode candidates in roster order (exactly as the picker walks them
+        // afterwards); the weighted-random picker needs them all first.
+        let walk_decode = matches!(cfg.scoring.picker, PickerConfig::MaxScore);
+        let mut decode_walk = MaxScoreWalk::default();
+        let endpoints = &self.endpoints;
+        let last_assigned =
+            |k: usize| order.get(k).and_then(|&s| endpoints.get(s)).and_then(|e| e.load.last_assigned_ms());
+        let anchor = keys.anchor;
         let DecideScratch { matched, pmatched, cands, pcands, prefill_pool, .. } = s;
         // One pass, written straight into `scores` (an exact-size iterator: no capacity check
         // per endpoint).
@@ -606,7 +618,11 @@ impl RouterCore {
             let role = score.role;
             if score.filtered.is_none() {
                 if role.decodes() {
-                    cands.push(k);
+                    if walk_decode {
+                        decode_walk.offer(k, score.total, &roster, anchor, last_assigned);
+                    } else {
+                        cands.push(k);
+                    }
                 } else if role == Role::Prefill {
                     pcands.push(k);
                 }
@@ -622,7 +638,19 @@ impl RouterCore {
         let output = req.effective_max_tokens().unwrap_or(cfg.flow_control.attained_service.unbounded_output_tokens);
         let tokens = input_tokens.saturating_add(u64::from(output));
         let draws = books.draws;
-        Features { input_tokens, tokens, session_key, approx_valid, precise_valid, roster, scores, saturation, draws }
+        let decode_pick = decode_walk.best();
+        Features {
+            input_tokens,
+            tokens,
+            session_key,
+            approx_valid,
+            precise_valid,
+            roster,
+            scores,
+            saturation,
+            draws,
+            decode_pick,
+        }
     }
 
     /// The picker's choice among `cands` (roster indexes); `salt` separates the decode and
@@ -654,10 +682,15 @@ impl RouterCore {
         f: &Features,
         s: &mut DecideScratch,
     ) -> Option<Pick> {
-        // The features pass gathered the unfiltered decode candidates; relax only without any.
-        let relaxed = s.cands.is_empty() && score::candidates(&f.scores, Role::decodes, &mut s.cands);
-        let d = self.pick_among(active, f, &s.slots, &s.cands, keys.approx.anchor);
-        let d = d?;
+        // The features pass picked among the unfiltered decode candidates (max-score picker) or
+        // gathered them (the others); the filters are relaxed only without any.
+        let (relaxed, d) = match f.decode_pick {
+            Some(d) => (false, d),
+            None => {
+                let relaxed = s.cands.is_empty() && score::candidates(&f.scores, Role::decodes, &mut s.cands);
+                (relaxed, self.pick_among(active, f, &s.slots, &s.cands, keys.approx.anchor)?)
+            }
+        };
         let modes = &active.policy.config().modes;
         let judgment =
             decision::judge(modes, &req.hint, f.input_tokens, req.effective_max_tokens(), f.scores[d].prefix_hit);
