@@ -372,8 +372,11 @@ impl Router {
     pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
         {
             let core = self.read();
-            if let Some(done) = core.complete_shared(&mut self.books(), request_id) {
-                return done;
+            // The request leaves the books under their lock; its endpoints' loads (atomic
+            // counters, changed only after the booking that added to them) after it.
+            let taken = core.complete_shared(&mut self.books(), request_id);
+            if let Some(taken) = taken {
+                return taken.map(|f| core.release(&f));
             }
         }
         self.lock().complete(request_id)
@@ -648,8 +651,11 @@ impl Router {
                 None => None,
                 Some(view) => {
                     let plan = core.plan(view, active, req, keys, now_ms, s);
-                    match core.commit_shared(&mut self.books(), active, req, keys, plan, now_ms, s) {
-                        Ok(d) => return Ok(d),
+                    // The books' lock is held for the booking only (the guard is a temporary of
+                    // this statement); the decision is built after it.
+                    let booking = core.commit_shared(&mut self.books(), active, req, keys, plan, now_ms, s);
+                    match booking {
+                        Ok(b) => return Ok(core.finish_shared(active, keys, b, now_ms)),
                         Err(plan) => Some(plan),
                     }
                 }

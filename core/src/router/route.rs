@@ -193,6 +193,16 @@ struct Features {
     decode_pick: Option<usize>,
 }
 
+/// A request [`RouterCore::commit_shared`] booked: what [`RouterCore::finish_shared`] makes its
+/// decision of.
+pub(crate) struct SharedBooking {
+    request_id: String,
+    f: Features,
+    pick: Pick,
+    m: ModeChoice,
+    booked: Booked,
+}
+
 /// The decode endpoint picked.
 struct Pick {
     /// Index into the roster.
@@ -745,7 +755,7 @@ impl RouterCore {
         plan: Plan,
         now_ms: u64,
         s: &DecideScratch,
-    ) -> Result<Decision, Plan> {
+    ) -> Result<SharedBooking, Plan> {
         let current = plan.epoch == self.epoch
             && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster())
             && plan.quiet
@@ -773,11 +783,24 @@ impl RouterCore {
         }
         let request_id = books.ids.assign(&books.inflight, req);
         let booked = book(active, &self.endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s);
+        Ok(SharedBooking { request_id, f, pick, m, booked })
+    }
+
+    /// The decision of a request [`RouterCore::commit_shared`] booked, built after the books'
+    /// lock is released (the booking is all that needs it).
+    pub(crate) fn finish_shared(
+        &self,
+        active: &ActivePolicy,
+        keys: &KeyBufs,
+        b: SharedBooking,
+        now_ms: u64,
+    ) -> Decision {
+        let SharedBooking { request_id, f, pick, m, booked } = b;
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
         if !self.record_effects {
             d.effect = None;
         }
-        Ok(d)
+        d
     }
 
     /// Phase 6, the indexes: the approximate index's assumed residency and the precise index's

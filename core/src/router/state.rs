@@ -399,13 +399,19 @@ impl RouterCore {
 
     /// [`RouterCore::complete`] under a shared lock ([`Router`](crate::Router)'s completions, on
     /// the router's `books`): `None` (nothing done) when completions are published to replicas,
-    /// which needs the exclusive lock; otherwise the request leaves the books and its endpoints'
-    /// loads.
-    pub(super) fn complete_shared(&self, books: &mut Books, request_id: &str) -> Option<Result<(), StateError>> {
+    /// which needs the exclusive lock; otherwise the request leaves the books, and the caller
+    /// takes it off its endpoints' loads ([`RouterCore::release`]), which needs no lock of the
+    /// books.
+    pub(super) fn complete_shared(&self, books: &mut Books, request_id: &str) -> Option<Result<Inflight, StateError>> {
         if self.replica.as_ref().is_some_and(|r| r.cfg.publish) {
             return None;
         }
-        Some(release_request(&self.endpoints, books, request_id))
+        Some(
+            books
+                .inflight
+                .remove(request_id)
+                .ok_or_else(|| StateError::UnknownRequest { request_id: request_id.to_owned() }),
+        )
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine and apply it to the precise

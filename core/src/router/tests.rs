@@ -181,6 +181,12 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 
 /// The write phase books under the shared lock exactly when the plan's index writes are no-ops
 /// and nothing else needs the exclusive lock; otherwise the plan comes back unapplied.
+/// A completion as a `Router` makes it on the shared path: off the books, then off the loads.
+fn complete_shared(core: &RouterCore, books: &mut Books, request_id: &str) {
+    let Some(Ok(f)) = core.complete_shared(books, request_id) else { panic!("{request_id} not in flight") };
+    core.release(&f);
+}
+
 #[test]
 fn a_repeated_prompt_books_under_the_shared_lock() {
     use super::state::Books;
@@ -212,12 +218,23 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
     let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     let Ok(shared) = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s) else { panic!("not booked") };
+    let shared = core.finish_shared(&active, &keys, shared, 5);
     assert_eq!(shared.endpoint(), d.endpoint());
     assert_eq!(books.counters.routed, routed + 1);
     assert_eq!(books.inflight.len(), 1);
     assert_eq!(core.stats().index, index_before, "the index is untouched");
-    assert_eq!(core.complete_shared(&mut books, &shared.request_id), Some(Ok(())));
+    let load = |core: &RouterCore| {
+        let slot = core.endpoints.slot_of(shared.endpoint().unwrap_or_default()).unwrap();
+        core.endpoints.get(slot).map(|e| (e.load.inflight(), e.load.inflight_tokens(), e.load.waiting_now()))
+    };
+    let booked_load = load(&core);
+    complete_shared(&core, &mut books, &shared.request_id);
     assert_eq!(books.inflight.len(), 0);
+    let released = load(&core);
+    assert!(
+        matches!((booked_load, released), (Some((1, t, w)), Some((0, 0, v))) if t > 0 && v + 1 == w),
+        "the completion takes the request off its endpoint's load: {booked_load:?} -> {released:?}"
+    );
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
     let plan = core.plan(books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
@@ -225,16 +242,18 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     // Later in time, with nothing due: still booked under `&self`; the speculation's clock moves.
     let plan = core.plan(books.view(&req), &active, &req, &keys, 6, &mut s);
     let Ok(later) = core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s) else { panic!("not booked") };
+    let later = core.finish_shared(&active, &keys, later, 6);
     assert_eq!((books.last_now_ms, core.kv.speculation_now()), (6, Some(6)));
-    assert_eq!(core.complete_shared(&mut books, &later.request_id), Some(Ok(())));
+    complete_shared(&core, &mut books, &later.request_id);
     // Once a request in flight has timed out, maintenance is due: the exclusive lock.
     let timeout = active.policy.config().limits.inflight_timeout_ms;
     let plan = core.plan(books.view(&req), &active, &req, &keys, 7, &mut s);
     let Ok(old) = core.commit_shared(&mut books, &active, &req, &keys, plan, 7, &s) else { panic!("not booked") };
+    let old = core.finish_shared(&active, &keys, old, 7);
     let late = 8 + timeout;
     let plan = core.plan(books.view(&req), &active, &req, &keys, late, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, late, &s).is_err());
-    assert_eq!(core.complete_shared(&mut books, &old.request_id), Some(Ok(())));
+    complete_shared(&core, &mut books, &old.request_id);
     // An index written between the phases: the plan's no-op verdict no longer holds.
     let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
