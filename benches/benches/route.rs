@@ -11,49 +11,23 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use kvroute::{ApproxHashing, Policy, RequestKeys, RouteRequest, Router};
+use kvroute::{ApproxHashing, RequestKeys, RouteRequest};
 use kvroute_benches::timing::{thread_cpu_time, Samples};
 
 /// Criterion's measurement samples kept for the goal lines.
 const SAMPLES: usize = 60;
 
 const NOW: u64 = 1_000;
-/// 8k tokens × 4 bytes per pseudo-token.
-const PROMPT_BYTES: usize = 8192 * 4;
-
-use kvroute_benches::fleet::words as text;
-
-/// A router with `n` decode endpoints, fresh metrics, and an index warmed by `warm` earlier
-/// 8k-token requests (16 tenants, 2k-token system prompts, distinct conversation tails).
-fn router(n: usize, warm: usize) -> (Router, Vec<String>) {
-    let router = Router::new(Policy::default());
-    let ids: Vec<String> = (0..n).map(|i| format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256)).collect();
-    kvroute_benches::fleet::add_decode_endpoints(&router, &ids, NOW);
-    let systems: Vec<String> = (0..16).map(|t| text(1000 + t, 2048 * 4)).collect();
-    let mut warm_ids = Vec::with_capacity(warm);
-    for r in 0..warm {
-        let tail = text(r as u64, PROMPT_BYTES - systems[0].len());
-        let req = RouteRequest::text("llama", &format!("{}{}", systems[r % 16], tail));
-        // Kept in flight until the end of the warm-up, so the in-flight scorer spreads them as
-        // live traffic would (the metrics stay fixed during the bench).
-        warm_ids.push(router.route(&req, NOW).unwrap().request_id);
-    }
-    for id in warm_ids {
-        router.complete(&id).unwrap();
-    }
-    (router, systems)
-}
+use kvroute_benches::fleet::{follow_up_prompt, warmed_router, words as text, ROUTE_PROMPT_BYTES as PROMPT_BYTES};
 
 fn bench_route(c: &mut Criterion) -> Vec<(usize, Option<f64>)> {
     let mut medians = Vec::new();
     let mut g = c.benchmark_group("route_approx_8k");
     for n in [8usize, 64, 512] {
-        let (router, systems) = router(n, 4 * n);
+        let (router, systems) = warmed_router(n, 4 * n, NOW);
         // A follow-up turn: system prompt (shared) + an earlier conversation's tail (cached on one
         // endpoint) + new text.
-        let prior_tail = text(3, PROMPT_BYTES - systems[0].len());
-        let prompt = format!("{}{}", systems[3], &prior_tail[..prior_tail.len() - 4096]);
-        let prompt = format!("{prompt}{}", text(99, PROMPT_BYTES - prompt.len()));
+        let prompt = follow_up_prompt(&systems);
         let req = RouteRequest::text("llama", &prompt);
         let d = router.route(&req, NOW).unwrap();
         assert!(d.prefix_hit > 0.5, "the bench request is a partial hit ({})", d.prefix_hit);
@@ -89,7 +63,7 @@ fn bench_route(c: &mut Criterion) -> Vec<(usize, Option<f64>)> {
 
     // One caller-supplied x-request-id reused by 20k requests still in flight (a client bug, or
     // an id space that repeats): each decision must find a unique id in O(1).
-    let (router, _) = router(8, 0);
+    let (router, _) = warmed_router(8, 0, NOW);
     let body = serde_json::json!({"model": "llama", "prompt": text(7, 4096), "max_tokens": 64}).to_string();
     let headers = [("x-request-id", "reused")];
     let held: Vec<String> =

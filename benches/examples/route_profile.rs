@@ -17,12 +17,11 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use kvroute::{Policy, RouteRequest, Router};
-use kvroute_benches::fleet::words as text;
+use kvroute::{RouteRequest, Router};
+use kvroute_benches::fleet::{follow_up_prompt, warmed_router};
 use kvroute_benches::timing::thread_cpu_time;
 
 const NOW: u64 = 1_000;
-const PROMPT_BYTES: usize = 8192 * 4;
 
 fn env(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -30,23 +29,8 @@ fn env(name: &str) -> Option<usize> {
 
 /// The same router and request as `--bench route`.
 fn setup(n: usize) -> (Router, RouteRequest) {
-    let router = Router::new(Policy::default());
-    let ids: Vec<String> = (0..n).map(|i| format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256)).collect();
-    kvroute_benches::fleet::add_decode_endpoints(&router, &ids, NOW);
-    let systems: Vec<String> = (0..16).map(|t| text(1000 + t, 2048 * 4)).collect();
-    let mut warm_ids = Vec::new();
-    for r in 0..4 * n {
-        let tail = text(r as u64, PROMPT_BYTES - systems[0].len());
-        let req = RouteRequest::text("llama", &format!("{}{}", systems[r % 16], tail));
-        warm_ids.push(router.route(&req, NOW).unwrap().request_id);
-    }
-    for id in warm_ids {
-        router.complete(&id).unwrap();
-    }
-    let prior_tail = text(3, PROMPT_BYTES - systems[0].len());
-    let prompt = format!("{}{}", systems[3], &prior_tail[..prior_tail.len() - 4096]);
-    let prompt = format!("{prompt}{}", text(99, PROMPT_BYTES - prompt.len()));
-    (router, RouteRequest::text("llama", &prompt))
+    let (router, systems) = warmed_router(n, 4 * n, NOW);
+    (router, RouteRequest::text("llama", &follow_up_prompt(&systems)))
 }
 
 #[inline(never)]

@@ -87,15 +87,11 @@ pub(crate) struct FeatureInputs {
     pub session_here: bool,
 }
 
-#[cfg(test)]
-fn metrics_fresh(ep: &EndpointState, cfg: &PolicyConfig, now_ms: u64) -> bool {
-    ep.metrics.as_ref().is_some_and(|m| now_ms.saturating_sub(m.updated_ms) <= cfg.metrics.staleness_ms)
-}
-
 /// Scores endpoints for one decision: the policy's parameters read once (a decision scores
 /// every endpoint, hundreds of them in a large fleet), each endpoint then in one inlined pass
-/// that also gives its saturation. The arithmetic is [`score_endpoint`]'s, operation for
-/// operation, so the results are the same bits.
+/// that also gives its saturation. The arithmetic is the score's definition (README, "The
+/// score") operation for operation, so the results are the same bits whatever the code's shape;
+/// a property test checks it against a reference written from the definition.
 pub(crate) struct Scorer<'a> {
     cfg: &'a PolicyConfig,
     weights: ScoreWeights,
@@ -210,65 +206,6 @@ fn lora_affinity(s: &ScoringConfig, m: &MetricsSnapshot, a: &str) -> f64 {
     }
 }
 
-/// One endpoint's score breakdown (the reference for [`Scorer::score`]).
-#[cfg(test)]
-pub(crate) fn score_endpoint(
-    cfg: &PolicyConfig,
-    ep: &EndpointState,
-    f: &FeatureInputs,
-    lora_adapter: Option<&str>,
-    now_ms: u64,
-) -> EndpointScore {
-    let s = &cfg.scoring;
-    let fresh = metrics_fresh(ep, cfg, now_ms);
-    let prefix_hit = (f.weighted_blocks * f.hit_per_block).min(1.0);
-    let (queue, kv_usage, lora) = match &ep.metrics {
-        Some(m) => {
-            let lora = match lora_adapter {
-                None => 0.0,
-                Some(a) if m.lora_running.iter().any(|x| x == a) => s.lora_affinity.running,
-                Some(a) if m.lora_waiting.iter().any(|x| x == a) => s.lora_affinity.waiting,
-                Some(_) if m.max_lora.is_some_and(|max| (m.lora_running.len() as u64) < u64::from(max)) => {
-                    s.lora_affinity.room
-                }
-                Some(_) => 0.0,
-            };
-            (f64::from(ep.load.waiting_now()) / s.queue_reference, ep.load.kv_usage_now(), lora)
-        }
-        None => (0.0, 0.0, 0.0),
-    };
-    let session = if f.session_here { 1.0 } else { 0.0 };
-    let inflight = f64::from(ep.load.inflight()) / s.inflight_reference;
-    let w = &s.weights;
-    let total = w.prefix * prefix_hit + w.lora * lora + w.session * session
-        - w.queue * queue
-        - w.kv_usage * kv_usage
-        - w.inflight * inflight;
-    let filtered = if !ep.healthy {
-        Some(FilterReason::Unhealthy)
-    } else if !fresh && s.filters.exclude_stale {
-        Some(FilterReason::StaleMetrics)
-    } else if fresh && overloaded(cfg, ep) {
-        Some(FilterReason::Saturated)
-    } else {
-        None
-    };
-    EndpointScore {
-        role: ep.role,
-        filtered,
-        matched_blocks: f.matched_blocks,
-        cached_tokens: f.cached_tokens,
-        precise: f.precise,
-        prefix_hit,
-        lora,
-        queue,
-        kv_usage,
-        session,
-        inflight,
-        total,
-    }
-}
-
 fn overloaded(cfg: &PolicyConfig, ep: &EndpointState) -> bool {
     let f = &cfg.scoring.filters;
     ep.metrics.as_ref().is_some_and(|m| {
@@ -340,10 +277,19 @@ fn max_score(
     last_assigned: impl Fn(usize) -> Option<u64>,
 ) -> Option<usize> {
     let mut walk = MaxScoreWalk::default();
+    let tb = Tiebreak { ids, anchor, last_assigned };
     for &i in cands {
-        walk.offer(i, scores[i].total, ids, anchor, &last_assigned);
+        walk.offer(i, scores[i].total, &tb);
     }
     walk.best()
+}
+
+/// What breaks a tie between candidates: their ids (`ids[i]`), the request's anchor (the
+/// rendezvous hash's seed) and when each was last assigned (`None`: never).
+pub(crate) struct Tiebreak<'a, F> {
+    pub ids: &'a [Arc<str>],
+    pub anchor: u64,
+    pub last_assigned: F,
 }
 
 /// The max-score picker, offered the candidates one by one in candidate order (so a decision
@@ -359,48 +305,27 @@ pub(crate) struct MaxScoreWalk {
 impl MaxScoreWalk {
     /// Offer candidate `i` with score total `total`.
     #[inline(always)]
-    pub(crate) fn offer(
-        &mut self,
-        i: usize,
-        total: f64,
-        ids: &[Arc<str>],
-        anchor: u64,
-        last_assigned: impl Fn(usize) -> Option<u64>,
-    ) {
-        let Some((b, best_total, b_hash)) = self.best else {
-            self.best = Some((i, total, None));
-            return;
-        };
-        let d = total - best_total;
-        if d > TIE_EPSILON {
-            self.best = Some((i, total, None));
-        } else if d.abs() <= TIE_EPSILON {
-            self.tie(i, total, ids, anchor, last_assigned, b, b_hash);
+    pub(crate) fn offer<F: Fn(usize) -> Option<u64>>(&mut self, i: usize, total: f64, tb: &Tiebreak<'_, F>) {
+        match self.best {
+            None => self.best = Some((i, total, None)),
+            Some((_, best_total, _)) if total - best_total > TIE_EPSILON => self.best = Some((i, total, None)),
+            Some((_, best_total, _)) if (total - best_total).abs() <= TIE_EPSILON => self.tie(i, total, tb),
+            Some(_) => {}
         }
     }
 
-    /// A tie with the best so far (`b`, whose rendezvous hash is `b_hash` if computed).
+    /// Candidate `i` ties with the best so far.
     #[cold]
-    #[allow(clippy::too_many_arguments)]
-    fn tie(
-        &mut self,
-        i: usize,
-        total: f64,
-        ids: &[Arc<str>],
-        anchor: u64,
-        last_assigned: impl Fn(usize) -> Option<u64>,
-        b: usize,
-        b_hash: Option<u64>,
-    ) {
-        let rendezvous = |i: usize| ids.get(i).map_or(0, |id| xxh3_64_with_seed(id.as_bytes(), anchor));
-        match last_assigned(i).cmp(&last_assigned(b)) {
+    fn tie<F: Fn(usize) -> Option<u64>>(&mut self, i: usize, total: f64, tb: &Tiebreak<'_, F>) {
+        let Some((b, best_total, b_hash)) = self.best else { return };
+        let rendezvous = |i: usize| tb.ids.get(i).map_or(0, |id| xxh3_64_with_seed(id.as_bytes(), tb.anchor));
+        match (tb.last_assigned)(i).cmp(&(tb.last_assigned)(b)) {
             std::cmp::Ordering::Less => self.best = Some((i, total, None)),
             std::cmp::Ordering::Greater => {}
             std::cmp::Ordering::Equal => {
                 let bh = b_hash.unwrap_or_else(|| rendezvous(b));
                 let r = rendezvous(i);
-                self.best =
-                    if r > bh { Some((i, total, Some(r))) } else { self.best.map(|(b, t, _)| (b, t, Some(bh))) };
+                self.best = Some(if r > bh { (i, total, Some(r)) } else { (b, best_total, Some(bh)) });
             }
         }
     }
@@ -432,6 +357,78 @@ mod tests {
 
     fn s(_id: &str, total: f64) -> EndpointScore {
         EndpointScore { role: Role::Decode, filtered: None, total, ..EndpointScore::unavailable() }
+    }
+
+    /// The score of one endpoint as the README defines it, written as a specification (the
+    /// reference the decision's [`Scorer`] is checked against, bit for bit): the terms in the
+    /// order the README sums them, the filters as a table of their conditions.
+    fn reference_score(
+        cfg: &PolicyConfig,
+        ep: &EndpointState,
+        f: &FeatureInputs,
+        lora_adapter: Option<&str>,
+        now_ms: u64,
+    ) -> (EndpointScore, bool) {
+        let s = &cfg.scoring;
+        let fresh =
+            ep.metrics.as_ref().is_some_and(|m| now_ms.saturating_sub(m.updated_ms) <= cfg.metrics.staleness_ms);
+        // H: capped tier-weighted hit.
+        let h = (f.weighted_blocks * f.hit_per_block).min(1.0);
+        // L: the first affinity that applies (running, waiting, room to load), else 0.
+        let l = ep.metrics.as_ref().zip(lora_adapter).map_or(0.0, |(m, a)| {
+            let has = |list: &[String]| list.iter().any(|x| x == a);
+            let room = m.max_lora.is_some_and(|max| (m.lora_running.len() as u64) < u64::from(max));
+            [
+                (has(&m.lora_running), s.lora_affinity.running),
+                (has(&m.lora_waiting), s.lora_affinity.waiting),
+                (room, s.lora_affinity.room),
+            ]
+            .into_iter()
+            .find_map(|(applies, v)| applies.then_some(v))
+            .unwrap_or(0.0)
+        });
+        // Q̃ and U from the corrected load (0 without metrics), F̃ from the requests in flight.
+        let q = if ep.metrics.is_some() { f64::from(ep.load.waiting_now()) / s.queue_reference } else { 0.0 };
+        let u = if ep.metrics.is_some() { ep.load.kv_usage_now() } else { 0.0 };
+        let sess = f64::from(u8::from(f.session_here));
+        let fl = f64::from(ep.load.inflight()) / s.inflight_reference;
+        let w = &s.weights;
+        let terms = [
+            (w.lora, l, 1.0),
+            (w.session, sess, 1.0),
+            (w.queue, q, -1.0),
+            (w.kv_usage, u, -1.0),
+            (w.inflight, fl, -1.0),
+        ];
+        let total =
+            terms.iter().fold(w.prefix * h, |acc, &(wt, v, sign)| if sign > 0.0 { acc + wt * v } else { acc - wt * v });
+        let limits = &s.filters;
+        let over = ep.metrics.as_ref().is_some_and(|m| {
+            limits.max_waiting.is_some_and(|x| f64::from(m.waiting) >= x)
+                || limits.max_kv_usage.is_some_and(|x| m.kv_usage >= x)
+        });
+        let filtered = [
+            (!ep.healthy, FilterReason::Unhealthy),
+            (!fresh && limits.exclude_stale, FilterReason::StaleMetrics),
+            (fresh && over, FilterReason::Saturated),
+        ]
+        .into_iter()
+        .find_map(|(applies, why)| applies.then_some(why));
+        let score = EndpointScore {
+            total,
+            inflight: fl,
+            session: sess,
+            kv_usage: u,
+            queue: q,
+            lora: l,
+            prefix_hit: h,
+            precise: f.precise,
+            cached_tokens: f.cached_tokens,
+            matched_blocks: f.matched_blocks,
+            filtered,
+            role: ep.role,
+        };
+        (score, fresh)
     }
 
     /// An endpoint for the scorer's property test: `sent` requests sent since its snapshot.
@@ -516,43 +513,44 @@ mod tests {
             };
             let scorer = Scorer::new(&cfg, adapter, now_ms);
             let (got, fresh) = scorer.score(&ep, &f);
-            let want = score_endpoint(&cfg, &ep, &f, adapter, now_ms);
+            let (want, want_fresh) = reference_score(&cfg, &ep, &f, adapter, now_ms);
             proptest::prop_assert_eq!(format!("{got:?}"), format!("{want:?}"));
-            proptest::prop_assert_eq!(fresh, metrics_fresh(&ep, &cfg, now_ms));
+            proptest::prop_assert_eq!(fresh, want_fresh);
         }
     }
 
     /// The max-score picker as one loop over the candidates (the reference for
-    /// [`MaxScoreWalk`]).
+    /// [`MaxScoreWalk`]), on plain arrays: `totals[i]`, `last[i]` (last assignment), `names[i]`.
     fn max_score_reference(
-        ids: &[Arc<str>],
-        scores: &[EndpointScore],
+        names: &[String],
+        totals: &[f64],
+        last: &[Option<u64>],
         cands: &[usize],
         anchor: u64,
-        last_assigned: impl Fn(usize) -> Option<u64>,
     ) -> Option<usize> {
-        let rendezvous = |i: usize| xxh3_64_with_seed(ids[i].as_bytes(), anchor);
+        let hash = |i: usize| xxh3_64_with_seed(names[i].as_bytes(), anchor);
         let (&first, rest) = cands.split_first()?;
-        let mut best = (first, None::<u64>);
+        let (mut best, mut best_hash) = (first, None::<u64>);
         for &i in rest {
-            let d = scores[i].total - scores[best.0].total;
+            let d = totals[i] - totals[best];
             if d > TIE_EPSILON {
-                best = (i, None);
-            } else if d.abs() <= TIE_EPSILON {
-                match last_assigned(i).cmp(&last_assigned(best.0)) {
-                    std::cmp::Ordering::Less => best = (i, None),
-                    std::cmp::Ordering::Greater => {}
-                    std::cmp::Ordering::Equal => {
-                        let b = *best.1.get_or_insert_with(|| rendezvous(best.0));
-                        let r = rendezvous(i);
-                        if r > b {
-                            best = (i, Some(r));
-                        }
-                    }
-                }
+                (best, best_hash) = (i, None);
+                continue;
+            }
+            if d.abs() > TIE_EPSILON || last[i] > last[best] {
+                continue;
+            }
+            if last[i] < last[best] {
+                (best, best_hash) = (i, None);
+                continue;
+            }
+            let b = *best_hash.get_or_insert_with(|| hash(best));
+            let r = hash(i);
+            if r > b {
+                (best, best_hash) = (i, Some(r));
             }
         }
-        Some(best.0)
+        Some(best)
     }
 
     proptest::proptest! {
@@ -575,10 +573,10 @@ mod tests {
                 .map(|(&t, &e)| s("", f64::from(t) * 0.25 + f64::from(e) * TIE_EPSILON * 0.75))
                 .collect();
             let cands: Vec<usize> = cands.into_iter().filter(|&i| i < n).collect();
-            let last = |i: usize| assigned[i];
+            let totals: Vec<f64> = scores.iter().map(|s| s.total).collect();
             proptest::prop_assert_eq!(
-                max_score(&id, &scores, &cands, anchor, last),
-                max_score_reference(&id, &scores, &cands, anchor, last)
+                max_score(&id, &scores, &cands, anchor, |i| assigned[i]),
+                max_score_reference(&names, &totals, &assigned, &cands, anchor)
             );
         }
     }

@@ -29,7 +29,7 @@ use crate::endpoints::{EndpointTable, Role};
 use crate::error::RouteError;
 use crate::index::{MatchScratch, MatchWeights, PrefixMatch};
 use crate::request::RouteRequest;
-use crate::score::{self, EndpointScore, MaxScoreWalk};
+use crate::score::{self, EndpointScore, MaxScoreWalk, Tiebreak};
 
 /// A request's keys, computed before the state is touched.
 #[derive(Debug, Default)]
@@ -590,9 +590,13 @@ impl RouterCore {
         let walk_decode = matches!(cfg.scoring.picker, PickerConfig::MaxScore);
         let mut decode_walk = MaxScoreWalk::default();
         let endpoints = &self.endpoints;
-        let last_assigned =
-            |k: usize| order.get(k).and_then(|&s| endpoints.get(s)).and_then(|e| e.load.last_assigned_ms());
-        let anchor = keys.anchor;
+        let tiebreak = Tiebreak {
+            ids: &roster,
+            anchor: keys.anchor,
+            last_assigned: |k: usize| {
+                order.get(k).and_then(|&s| endpoints.get(s)).and_then(|e| e.load.last_assigned_ms())
+            },
+        };
         let DecideScratch { matched, pmatched, cands, pcands, prefill_pool, .. } = s;
         // One pass, written straight into `scores` (an exact-size iterator: no capacity check
         // per endpoint).
@@ -629,7 +633,7 @@ impl RouterCore {
             if score.filtered.is_none() {
                 if role.decodes() {
                     if walk_decode {
-                        decode_walk.offer(k, score.total, &roster, anchor, last_assigned);
+                        decode_walk.offer(k, score.total, &tiebreak);
                     } else {
                         cands.push(k);
                     }
