@@ -406,12 +406,7 @@ impl RouterCore {
         if self.replica.as_ref().is_some_and(|r| r.cfg.publish) {
             return None;
         }
-        Some(
-            books
-                .inflight
-                .remove(request_id)
-                .ok_or_else(|| StateError::UnknownRequest { request_id: request_id.to_owned() }),
-        )
+        Some(take_request(books, request_id))
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine and apply it to the precise
@@ -524,10 +519,13 @@ impl Books {
 
 /// Take request `request_id` out of `books` and off its endpoints' loads.
 fn release_request(endpoints: &EndpointTable, books: &mut Books, request_id: &str) -> Result<(), StateError> {
-    let f = books.inflight.remove(request_id);
-    let f = f.ok_or_else(|| StateError::UnknownRequest { request_id: request_id.to_owned() })?;
-    release(endpoints, &f);
+    release(endpoints, &take_request(books, request_id)?);
     Ok(())
+}
+
+/// Take request `request_id` out of `books` (its endpoints' loads are the caller's).
+fn take_request(books: &mut Books, request_id: &str) -> Result<Inflight, StateError> {
+    books.inflight.remove(request_id).ok_or_else(|| StateError::UnknownRequest { request_id: request_id.to_owned() })
 }
 
 /// Take `f`'s request off its endpoints' loads.

@@ -235,6 +235,12 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
         matches!((booked_load, released), (Some((1, t, w)), Some((0, 0, v))) if t > 0 && v + 1 == w),
         "the completion takes the request off its endpoint's load: {booked_load:?} -> {released:?}"
     );
+    // Completing it again (or any id not in flight) is a typed error that changes nothing.
+    assert!(matches!(
+        core.complete_shared(&mut books, &shared.request_id),
+        Some(Err(StateError::UnknownRequest { .. }))
+    ));
+    assert_eq!((load(&core), books.inflight.len()), (released, 0));
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
     let plan = core.plan(books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
