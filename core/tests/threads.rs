@@ -175,7 +175,12 @@ fn hammer(router: &Router, threads: u64, per_thread: u64, clock: &AtomicU64) -> 
 }
 
 /// [`hammer`] where decision `i` routes prompt `prompt(i)` and the time moves by 1 ms every
-/// `per_ms` decisions.
+/// `per_ms` decisions of a thread. Each thread's time moves with its own decisions (from the
+/// clock's value at the start; the clock itself, which others may read, moves with everyone's):
+/// a request a thread holds is then at most `per_thread / per_ms` ms old to any thread, however
+/// the threads are scheduled, so none outlives the in-flight timeout on a busy machine (with
+/// one clock for all, a thread held off its core while the others decided aged its requests
+/// past the timeout).
 fn hammer_with(
     router: &Router,
     threads: u64,
@@ -185,6 +190,7 @@ fn hammer_with(
     prompt: impl Fn(u64) -> u64 + Sync,
 ) -> Vec<String> {
     let prompt = &prompt;
+    let start = clock.load(Ordering::Relaxed);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
@@ -193,7 +199,8 @@ fn hammer_with(
                     let mut held = std::collections::VecDeque::new();
                     for k in 0..per_thread {
                         let i = prompt(t * per_thread + k);
-                        let now = clock.fetch_add(1, Ordering::Relaxed) / per_ms;
+                        clock.fetch_add(1, Ordering::Relaxed);
+                        let now = (start + k) / per_ms;
                         let d = router.route_http(body(i).as_bytes(), headers(i), now).unwrap();
                         ids.push(d.request_id.clone());
                         held.push_back(d.request_id);
