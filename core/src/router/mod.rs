@@ -41,7 +41,7 @@ use crate::flow::{Admission, FlowStats, Release, SaturationReport, Ticket};
 use crate::precise::events::EventBatch;
 use crate::precise::ApplyOutcome;
 use crate::request::RouteRequest;
-use route::{prepare_keys, DecideScratch, KeyBufs};
+use route::{prepare_keys, BooksView, DecideScratch, KeyBufs};
 
 /// The router. `Send + Sync`: share it behind an `Arc` and call it from any thread.
 ///
@@ -73,8 +73,10 @@ pub struct Router {
     /// The core's books (requests in flight, ids, sessions, counters, draws, time), kept here
     /// so that decisions and completions can book under the shared lock; [`Router::lock`] puts
     /// them back into the core for every call under the exclusive one (the core then holds no
-    /// lock of its own). Taken after `core`, never before.
-    books: Mutex<Books>,
+    /// lock of its own). Taken after `core`, never before. What a decision's read phase reads
+    /// of them is published beside them at every unlock, so a request without a session plans
+    /// without taking their lock (see `BooksCell`).
+    books: BooksCell,
     /// Decisions under way (waiting for the lock or holding it; low 32 bits) and finished
     /// (high 32 bits, wrapping; bounds how long event application gives way), in stripes of a
     /// cache line each: a thread writes its own stripe (two atomic additions per decision), so
@@ -146,16 +148,81 @@ std::thread_local! {
     static BUFS: std::cell::Cell<ThreadBufs> = std::cell::Cell::new(ThreadBufs::default());
 }
 
+/// The router's books under their mutex, and what a decision's read phase reads of them
+/// (`RouterCore::plan` through [`BooksView`], and whether maintenance is due), published at
+/// every unlock: a request without a session reads these instead of taking the mutex, so a
+/// decision on the shared path takes it twice (its booking and its completion) instead of
+/// three times. The published values may be a moment old when the read phase reads them, as
+/// the state under the shared lock may; the booking checks under the mutex whether
+/// maintenance is due, and a decision sent back takes the exclusive lock as before.
+struct BooksCell {
+    books: Mutex<Books>,
+    /// `Books::draws` at the last unlock.
+    draws: AtomicU64,
+    /// When the oldest request in flight started at the last unlock (`u64::MAX`: none).
+    oldest_started: AtomicU64,
+}
+
+impl BooksCell {
+    fn new(books: Books) -> Self {
+        let cell = BooksCell { books: Mutex::new(books), draws: AtomicU64::new(0), oldest_started: AtomicU64::new(0) };
+        drop(cell.lock());
+        cell
+    }
+
+    /// The books, locked until the guard drops (which publishes them).
+    fn lock(&self) -> BooksGuard<'_> {
+        BooksGuard { books: self.books.lock().unwrap_or_else(PoisonError::into_inner), cell: self }
+    }
+
+    fn publish(&self, books: &Books) {
+        self.draws.store(books.draws(), Ordering::Relaxed);
+        self.oldest_started.store(books.oldest_started().unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// The published draws and oldest request in flight's start.
+    fn published(&self) -> (u64, Option<u64>) {
+        let oldest = self.oldest_started.load(Ordering::Relaxed);
+        (self.draws.load(Ordering::Relaxed), (oldest != u64::MAX).then_some(oldest))
+    }
+}
+
+/// The books locked; dropping it publishes them (`BooksCell`), then unlocks.
+struct BooksGuard<'a> {
+    books: MutexGuard<'a, Books>,
+    cell: &'a BooksCell,
+}
+
+impl Drop for BooksGuard<'_> {
+    fn drop(&mut self) {
+        self.cell.publish(&self.books);
+    }
+}
+
+impl std::ops::Deref for BooksGuard<'_> {
+    type Target = Books;
+
+    fn deref(&self) -> &Books {
+        &self.books
+    }
+}
+
+impl std::ops::DerefMut for BooksGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Books {
+        &mut self.books
+    }
+}
+
 /// The core under the exclusive lock with its books put back (taken out again on drop).
 struct CoreMut<'a> {
     core: RwLockWriteGuard<'a, RouterCore>,
     /// The router's books cell, holding the core's placeholder while the guard lives (named
     /// apart from `RouterCore::books`, which `lock().books` must reach through `Deref`).
-    cell: MutexGuard<'a, Books>,
+    cell: BooksGuard<'a>,
 }
 
 impl<'a> CoreMut<'a> {
-    fn new(mut core: RwLockWriteGuard<'a, RouterCore>, mut books: MutexGuard<'a, Books>) -> Self {
+    fn new(mut core: RwLockWriteGuard<'a, RouterCore>, mut books: BooksGuard<'a>) -> Self {
         std::mem::swap(&mut core.books, &mut *books);
         CoreMut { core, cell: books }
     }
@@ -164,6 +231,9 @@ impl<'a> CoreMut<'a> {
 impl Drop for CoreMut<'_> {
     fn drop(&mut self) {
         std::mem::swap(&mut self.core.books, &mut *self.cell);
+        // Published before the exclusive lock is released (the guard publishes again on its
+        // own drop, after it).
+        self.cell.cell.publish(&self.cell);
     }
 }
 
@@ -187,7 +257,7 @@ impl From<RouterCore> for Router {
         Router {
             policy: ArcSwap::new(core.policy().clone()),
             core: RwLock::new(core),
-            books: Mutex::new(books),
+            books: BooksCell::new(books),
             deciding: Box::default(),
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
@@ -221,8 +291,8 @@ impl Router {
     }
 
     /// The books (after the core's lock, when both are taken).
-    fn books(&self) -> MutexGuard<'_, Books> {
-        self.books.lock().unwrap_or_else(PoisonError::into_inner)
+    fn books(&self) -> BooksGuard<'_> {
+        self.books.lock()
     }
 
     /// Count a decision under way, on this thread's stripe, until the guard drops.
@@ -643,7 +713,13 @@ impl Router {
         let _deciding = self.deciding();
         let plan = {
             let core = self.read();
-            let view = {
+            // A request without a session reads what the books published at their last
+            // unlock; one with a session reads its affinity from them, under their lock.
+            let view = if req.session_id.is_none() {
+                // (`session_key` is `None` exactly then.)
+                let (draws, oldest_started) = self.books.published();
+                (!core.maintenance_due_at(oldest_started, active, now_ms)).then(|| BooksView::sessionless(draws))
+            } else {
                 let books = self.books();
                 (!core.maintenance_due_in(&books, active, now_ms)).then(|| books.view(req))
             };

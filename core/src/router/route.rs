@@ -240,6 +240,24 @@ impl Books {
     pub(crate) fn view(&self, req: &RouteRequest) -> BooksView {
         BooksView { draws: self.draws, session: session_key(req).and_then(|k| self.sessions.peek(&k).copied()) }
     }
+
+    /// The picker's draws so far.
+    pub(crate) fn draws(&self) -> u64 {
+        self.draws
+    }
+
+    /// When the oldest request in flight started (`None`: none in flight).
+    pub(crate) fn oldest_started(&self) -> Option<u64> {
+        self.inflight.oldest_started()
+    }
+}
+
+impl BooksView {
+    /// The view of books with `draws` draws for a request without a session: what
+    /// [`Books::view`] gives for it.
+    pub(crate) fn sessionless(draws: u64) -> Self {
+        BooksView { draws, session: None }
+    }
 }
 
 /// The index writes of routing a request to roster entries `d` and `prefill` (phase 6): the
@@ -424,9 +442,14 @@ impl RouterCore {
     /// [`Router`](crate::Router)'s). When it would not, the read phase can run without it (under
     /// a shared lock) and the write phase maintains.
     pub(crate) fn maintenance_due_in(&self, books: &Books, active: &ActivePolicy, now_ms: u64) -> bool {
+        self.maintenance_due_at(books.oldest_started(), active, now_ms)
+    }
+
+    /// [`RouterCore::maintenance_due_in`] with books whose oldest request in flight started at
+    /// `oldest_started` (`None`: nothing in flight).
+    pub(crate) fn maintenance_due_at(&self, oldest_started: Option<u64>, active: &ActivePolicy, now_ms: u64) -> bool {
         let timeout = active.policy.config().limits.inflight_timeout_ms;
-        books.inflight.oldest_started().is_some_and(|t| now_ms.saturating_sub(t) > timeout)
-            || self.kv.expiry_due(now_ms)
+        oldest_started.is_some_and(|t| now_ms.saturating_sub(t) > timeout) || self.kv.expiry_due(now_ms)
     }
 
     /// The state's epoch: bumped by every change after which a [`Plan`] made before cannot be

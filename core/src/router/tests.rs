@@ -298,3 +298,44 @@ fn decisions_under_way_are_summed_over_every_stripe() {
     assert_eq!((under_way, after.wrapping_sub(before)), (3, 1));
     assert_eq!(r.deciding[x].0.load(Ordering::SeqCst), 2);
 }
+
+#[test]
+fn the_books_publish_what_a_sessionless_read_phase_reads() {
+    // A request without a session plans from the values the books published at their last
+    // unlock (`BooksCell`), not under their lock: after every call they must be the books'.
+    let r = router();
+    let published = |r: &Router| {
+        let seen = r.books.published();
+        let books = r.books();
+        assert_eq!(seen, (books.draws(), books.oldest_started()), "published as the books hold them");
+        seen.1
+    };
+    assert_eq!(published(&r), None);
+    let prompt = "q".repeat(256 * 40);
+    let req = RouteRequest::text("m", &prompt);
+    // A new prompt (its blocks written under the exclusive lock), then the same prompt again,
+    // booked on the shared path.
+    let first = r.route(&req, 5).unwrap();
+    assert_eq!(published(&r), Some(5));
+    let second = r.route(&req, 6).unwrap();
+    assert_eq!(published(&r), Some(5));
+    r.complete(&first.request_id).unwrap();
+    assert_eq!(published(&r), Some(6));
+    r.complete(&second.request_id).unwrap();
+    assert_eq!(published(&r), None);
+    // A request with a session reads the books under their lock; an exclusive call republishes.
+    let mut with_session = req.clone();
+    with_session.session_id = Some("s-1".into());
+    let third = r.route(&with_session, 7).unwrap();
+    assert_eq!(published(&r), Some(7));
+    r.update_metrics("10.0.0.1:8000", MetricsSnapshot { updated_ms: 7, ..MetricsSnapshot::default() }).unwrap();
+    assert_eq!(published(&r), Some(7));
+    // Once the request in flight has timed out, the published start sends the next decision to
+    // the exclusive lock, which expires it.
+    let timeout = r.policy().policy.config().limits.inflight_timeout_ms;
+    let late = r.route(&req, 8 + timeout).unwrap();
+    assert_eq!(published(&r), Some(8 + timeout));
+    assert!(matches!(r.complete(&third.request_id), Err(StateError::UnknownRequest { .. })));
+    r.complete(&late.request_id).unwrap();
+    assert_eq!(published(&r), None);
+}
