@@ -463,6 +463,76 @@ proptest! {
     }
 }
 
+/// Token id `v` in msgpack encoding `form` (0..9: positive fixint, uint8/16/32/64, int8/16/32/64),
+/// or the smallest encoding when `form` cannot hold `v`.
+fn token_encoding(v: u32, form: u8, out: &mut Vec<u8>) {
+    let v64 = u64::from(v);
+    match form {
+        0 if v < 0x80 => out.push(v as u8),
+        1 if v <= 0xff => out.extend([0xcc, v as u8]),
+        2 if v <= 0xffff => {
+            out.push(0xcd);
+            out.extend((v as u16).to_be_bytes());
+        }
+        3 => {
+            out.push(0xce);
+            out.extend(v.to_be_bytes());
+        }
+        4 => {
+            out.push(0xcf);
+            out.extend(v64.to_be_bytes());
+        }
+        5 if v < 0x80 => out.extend([0xd0, v as u8]),
+        6 if v < 0x8000 => {
+            out.push(0xd1);
+            out.extend((v as i16).to_be_bytes());
+        }
+        7 if v < 0x8000_0000 => {
+            out.push(0xd2);
+            out.extend((v as i32).to_be_bytes());
+        }
+        8 => {
+            out.push(0xd3);
+            out.extend((v64 as i64).to_be_bytes());
+        }
+        _ => enc(&i(i128::from(v)), out),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The decoder's token-id loop takes fixint and uint8/16/32 ids without a branch on their
+    /// width while 8 bytes are left, the rest of the encodings and the last bytes of the payload
+    /// another way: every encoding of every width, at every distance from the payload's end
+    /// (the token list is the last value before the batch's final nil), decodes to the ids.
+    #[test]
+    fn token_ids_decode_in_every_encoding_and_position(
+        tokens in proptest::collection::vec(
+            (prop_oneof![0u32..0x80, 0x80u32..0x100, 0x100u32..0x1_0000, 0x1_0000u32..=u32::MAX], 0u8..10),
+            0..40,
+        ),
+    ) {
+        let mut list = Vec::new();
+        if tokens.len() < 16 {
+            list.push(0x90 | tokens.len() as u8);
+        } else {
+            list.push(0xdc);
+            list.extend((tokens.len() as u16).to_be_bytes());
+        }
+        for &(v, form) in &tokens {
+            token_encoding(v, form, &mut list);
+        }
+        let mut fields = stored_map(ints([1]), V::Nil, V::Nil);
+        fields.retain(|(k, _)| *k != "token_ids");
+        fields.push(("token_ids", V::Raw(list)));
+        let p = batch(vec![map(fields)], V::Nil);
+        let decoded = decode_batch(&p).unwrap();
+        let KvEvent::BlockStored(st) = &decoded.events[0] else { panic!("not a BlockStored") };
+        prop_assert_eq!(&st.token_ids, &tokens.iter().map(|&(v, _)| v).collect::<Vec<_>>());
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hand-made payloads: encodings older/newer releases send, and each error.
 // ---------------------------------------------------------------------------------------------
