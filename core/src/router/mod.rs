@@ -41,6 +41,7 @@ use crate::flow::{Admission, FlowStats, Release, SaturationReport, Ticket};
 use crate::precise::events::EventBatch;
 use crate::precise::ApplyOutcome;
 use crate::request::RouteRequest;
+use inflight::session_key;
 use route::{prepare_keys, BooksView, DecideScratch, KeyBufs};
 
 /// The router. `Send + Sync`: share it behind an `Arc` and call it from any thread.
@@ -215,25 +216,24 @@ impl std::ops::DerefMut for BooksGuard<'_> {
 
 /// The core under the exclusive lock with its books put back (taken out again on drop).
 struct CoreMut<'a> {
-    core: RwLockWriteGuard<'a, RouterCore>,
     /// The router's books cell, holding the core's placeholder while the guard lives (named
     /// apart from `RouterCore::books`, which `lock().books` must reach through `Deref`).
+    /// Declared first, so dropped first: the books, back in the cell, are published and
+    /// unlocked before the exclusive lock is released.
     cell: BooksGuard<'a>,
+    core: RwLockWriteGuard<'a, RouterCore>,
 }
 
 impl<'a> CoreMut<'a> {
     fn new(mut core: RwLockWriteGuard<'a, RouterCore>, mut books: BooksGuard<'a>) -> Self {
         std::mem::swap(&mut core.books, &mut *books);
-        CoreMut { core, cell: books }
+        CoreMut { cell: books, core }
     }
 }
 
 impl Drop for CoreMut<'_> {
     fn drop(&mut self) {
         std::mem::swap(&mut self.core.books, &mut *self.cell);
-        // Published before the exclusive lock is released (the guard publishes again on its
-        // own drop, after it).
-        self.cell.cell.publish(&self.cell);
     }
 }
 
@@ -715,13 +715,15 @@ impl Router {
             let core = self.read();
             // A request without a session reads what the books published at their last
             // unlock; one with a session reads its affinity from them, under their lock.
-            let view = if req.session_id.is_none() {
-                // (`session_key` is `None` exactly then.)
-                let (draws, oldest_started) = self.books.published();
-                (!core.maintenance_due_at(oldest_started, active, now_ms)).then(|| BooksView::sessionless(draws))
-            } else {
-                let books = self.books();
-                (!core.maintenance_due_in(&books, active, now_ms)).then(|| books.view(req))
+            let view = match session_key(req) {
+                None => {
+                    let (draws, oldest_started) = self.books.published();
+                    (!core.maintenance_due_at(oldest_started, active, now_ms)).then(|| BooksView::sessionless(draws))
+                }
+                key => {
+                    let books = self.books();
+                    (!core.maintenance_due_in(&books, active, now_ms)).then(|| books.view_of(key))
+                }
             };
             match view {
                 None => None,

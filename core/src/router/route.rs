@@ -238,7 +238,12 @@ pub(crate) struct BooksView {
 impl Books {
     /// What [`RouterCore::plan`] reads of them for `req`.
     pub(crate) fn view(&self, req: &RouteRequest) -> BooksView {
-        BooksView { draws: self.draws, session: session_key(req).and_then(|k| self.sessions.peek(&k).copied()) }
+        self.view_of(session_key(req))
+    }
+
+    /// [`Books::view`] for a request whose session key (`session_key`) is `session`.
+    pub(crate) fn view_of(&self, session: Option<u64>) -> BooksView {
+        BooksView { draws: self.draws, session: session.and_then(|k| self.sessions.peek(&k).copied()) }
     }
 
     /// The picker's draws so far.
