@@ -507,11 +507,11 @@ impl<'a> Reader<'a> {
         // actually use (fixint, uint8/16/32) is decoded without a branch on its width: its
         // length comes from its marker by arithmetic and its value from the 4 bytes after the
         // marker. With a large vocabulary uint16 and uint32 ids mix at random, and a branch per
-        // width (the match below) mispredicts about every other id: about 9 ns per id on the
-        // project's machine against about 4 for this loop (`--bench precise`, `decode_only`;
-        // a length looked up in a table instead measured about 6, the lookup being on the
-        // loop's dependency chain). Any other marker goes through `token` (the same values and
-        // errors as before), and the last few bytes through the per-width match.
+        // width mispredicts about every other id: about 9 ns per id on the project's machine
+        // against about 4 for this loop (`--bench precise`, `decode_only`; a length looked up
+        // in a table instead measured about 6, the lookup being on the loop's dependency
+        // chain). Any other marker, and the ids in the payload's last 7 bytes, go through
+        // `token` (the same values and errors as before).
         let mut rest = self.rest.remaining_slice();
         let mut done = 0;
         while done < n {
@@ -532,32 +532,11 @@ impl<'a> Reader<'a> {
             }
             done += 1;
         }
-        for _ in done..n {
-            match *rest {
-                [b @ 0x00..=0x7f, ref tail @ ..] => {
-                    out.push(u32::from(b));
-                    rest = tail;
-                }
-                [0xcc, b, ref tail @ ..] => {
-                    out.push(u32::from(b));
-                    rest = tail;
-                }
-                [0xcd, b0, b1, ref tail @ ..] => {
-                    out.push(u32::from(u16::from_be_bytes([b0, b1])));
-                    rest = tail;
-                }
-                [0xce, b0, b1, b2, b3, ref tail @ ..] => {
-                    out.push(u32::from_be_bytes([b0, b1, b2, b3]));
-                    rest = tail;
-                }
-                _ => {
-                    self.rest = Bytes::new(rest);
-                    out.push(self.token(site)?);
-                    rest = self.rest.remaining_slice();
-                }
-            }
-        }
+        // The ids in the payload's last 7 bytes.
         self.rest = Bytes::new(rest);
+        for _ in done..n {
+            out.push(self.token(site)?);
+        }
         Ok(out)
     }
 
