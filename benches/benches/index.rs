@@ -35,14 +35,14 @@ fn bench_index(c: &mut Criterion) {
         let mut out = PrefixMatch::default();
         let mut scratch = MatchScratch::default();
         ix.match_blocks(&keys, &weights, &mut out, &mut scratch);
-        let best = out.blocks.iter().copied().max().unwrap_or(0);
+        let best = out.blocks().into_iter().max().unwrap_or(0);
         assert!(best > 0, "the probe shares a prefix with the index");
 
         g.throughput(Throughput::Elements(1));
         g.bench_function(BenchmarkId::new("match_blocks", w), |b| {
             b.iter(|| {
                 ix.match_blocks(black_box(&keys), &weights, &mut out, &mut scratch);
-                out.blocks.len()
+                out.slots().len()
             });
         });
 

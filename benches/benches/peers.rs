@@ -288,7 +288,7 @@ fn kvroute_precise(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) ->
     let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
     let find_us = time_find(c, group, "kvroute precise", wl.probes.len(), |i| {
         ix.match_blocks(&inp.probe_keys[i], &weights, &mut out, &mut scratch);
-        out.blocks.len()
+        out.slots().len()
     });
     Row {
         name: "kvroute precise store (PrefixIndex)",
@@ -382,13 +382,13 @@ fn kvroute_approx(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> 
     let agree = (0..wl.probes.len())
         .filter(|&i| {
             ix.match_blocks(&inp.probe_keys[i], &weights, &mut out, &mut scratch);
-            out.blocks == inp.reference[i]
+            out.blocks() == inp.reference[i]
         })
         .count();
     println!("  kvroute approx: {agree}/{} probes match the exact overlap", wl.probes.len());
     let find_us = time_find(c, group, "kvroute approx", wl.probes.len(), |i| {
         ix.match_blocks(&inp.probe_keys[i], &weights, &mut out, &mut scratch);
-        out.blocks.len()
+        out.slots().len()
     });
     Row {
         name: "kvroute approx (ApproxIndex)",
@@ -723,7 +723,7 @@ fn main() {
                 .iter()
                 .map(|k| {
                     ix.match_blocks(k, &weights, &mut out, &mut scratch);
-                    out.blocks.clone()
+                    out.blocks()
                 })
                 .collect::<Vec<_>>()
         };

@@ -15,7 +15,8 @@
 //! Environment: `W` endpoints (64 or 512; default 64), `PART` (`apply`: builds only; `find`:
 //! one build, then lookups; `worst`: one build, printing its highest bytes per membership from a
 //! tenth of the build on; default apply and find), `RUNS` builds (default 5; `find`: 1), `ITERS`
-//! lookups (default 2,000,000).
+//! lookups (default 2,000,000), `STATS` (with `find`: first prints each probe's matching
+//! endpoints and their distinct match lengths).
 #![allow(clippy::print_stdout)]
 
 use std::hint::black_box;
@@ -107,6 +108,16 @@ fn main() {
     let weights = MatchWeights::new(&TierWeights::default());
     let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
     let iters = env("ITERS").unwrap_or(2_000_000).max(1);
+    if env("STATS").is_some() {
+        for (i, p) in probes.iter().enumerate() {
+            ix.match_blocks(p, &weights, &mut out, &mut scratch);
+            let held: Vec<u32> = out.blocks().into_iter().filter(|&b| b > 0).collect();
+            let mut d = held.clone();
+            d.sort_unstable();
+            d.dedup();
+            println!("probe {i}: {} holders, distinct lengths {:?}", held.len(), &d[..d.len().min(12)]);
+        }
+    }
     let t = thread_cpu_time();
     for i in 0..iters {
         ix.match_blocks(&probes[i % probes.len()], &weights, &mut out, &mut scratch);

@@ -179,7 +179,8 @@ pub use error::{ConfigError, EventIngestError, RequestError, RouteError, StateEr
 // The approximate pipeline and the prefix store both indexes use.
 pub use approx::{ApproxHashing, BlockKey, RequestKeys};
 pub use index::{
-    ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, GENERATIONS, MAX_SLOTS,
+    ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, SlotMatch, GENERATIONS,
+    MAX_SLOTS,
 };
 
 // The precise pipeline: events, engine hashing, keys, the index, stream judgment.

@@ -11,5 +11,6 @@ mod prefix;
 mod store;
 
 pub use prefix::{
-    ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, GENERATIONS, MAX_SLOTS,
+    ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, SlotMatch, GENERATIONS,
+    MAX_SLOTS,
 };

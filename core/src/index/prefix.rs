@@ -76,7 +76,7 @@ pub struct MatchScratch {
     seen_weight: Vec<f64>,
     seen_spec: Vec<bool>,
     /// Slots' figures saved across a uniform credit pass.
-    saved: Vec<(usize, u32, f64, u32)>,
+    saved: Vec<(usize, SlotMatch)>,
 }
 
 /// A slot's state during a walk (one 16-byte line segment per slot).
@@ -143,32 +143,76 @@ pub struct Holding {
     pub speculative: bool,
 }
 
-/// Matched prefix per endpoint slot.
+/// What one endpoint slot matched (see [`PrefixMatch`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct SlotMatch {
+    /// Leading blocks held (low 32 bits) and, of those, the blocks confirmed (high 32 bits), so
+    /// that one addition credits both. Neither count reaches 2^32: a request has fewer blocks.
+    counts: u64,
+    weighted: f64,
+}
+
+impl SlotMatch {
+    /// Leading blocks held (any tier, or speculatively), summed over prompt sequences.
+    #[inline]
+    pub fn blocks(&self) -> u32 {
+        self.counts as u32
+    }
+
+    /// The same blocks weighted by the tier each is held in.
+    #[inline]
+    pub fn weighted(&self) -> f64 {
+        self.weighted
+    }
+
+    /// Of the leading blocks, those confirmed in a tier (not only speculative).
+    #[inline]
+    pub fn confirmed(&self) -> u32 {
+        (self.counts >> 32) as u32
+    }
+
+    /// Add `blocks` leading blocks of which `confirmed` are confirmed.
+    #[inline(always)]
+    fn add(&mut self, blocks: u32, confirmed: u32) {
+        self.counts += u64::from(blocks) | u64::from(confirmed) << 32;
+    }
+}
+
+/// Matched prefix per endpoint slot: one [`SlotMatch`] per slot of the index (a slot's three
+/// figures side by side, so crediting a slot touches one cache line).
 #[derive(Debug, Default, Clone)]
 pub struct PrefixMatch {
-    /// Leading blocks held (any tier), summed over prompt sequences.
-    pub blocks: Vec<u32>,
-    /// The same blocks weighted by tier.
-    pub weighted: Vec<f64>,
-    /// Of those, the leading blocks confirmed in a tier (not only speculative).
-    pub confirmed: Vec<u32>,
+    slots: Vec<SlotMatch>,
 }
 
 impl PrefixMatch {
     fn reset(&mut self, n: usize) {
-        self.blocks.clear();
-        self.blocks.resize(n, 0);
-        self.weighted.clear();
-        self.weighted.resize(n, 0.0);
-        self.confirmed.clear();
-        self.confirmed.resize(n, 0);
+        // Zeroed in place (one `memset`), grown only when the index has more slots.
+        self.slots.truncate(n);
+        self.slots.fill(SlotMatch::default());
+        self.slots.resize(n, SlotMatch::default());
     }
 
     /// Clear to "nothing matched".
     pub fn clear(&mut self) {
-        self.blocks.clear();
-        self.weighted.clear();
-        self.confirmed.clear();
+        self.slots.clear();
+    }
+
+    /// Per slot, in slot order (empty when nothing was matched).
+    #[inline]
+    pub fn slots(&self) -> &[SlotMatch] {
+        &self.slots
+    }
+
+    /// What `slot` matched (nothing for a slot past the index's slots).
+    #[inline]
+    pub fn get(&self, slot: usize) -> SlotMatch {
+        self.slots.get(slot).copied().unwrap_or_default()
+    }
+
+    /// Leading blocks per slot ([`SlotMatch::blocks`]).
+    pub fn blocks(&self) -> Vec<u32> {
+        self.slots.iter().map(SlotMatch::blocks).collect()
     }
 }
 
@@ -297,8 +341,8 @@ fn live_at(g: u32, rec: u32) -> bool {
 /// unless only speculative): the holders of a block who all end their match at block `k`.
 #[inline]
 fn credit_all(recs: &[u32], gens: &[u32], w: &MatchWeights, k: u32, out: &mut PrefixMatch) {
-    let n = out.blocks.len().min(out.weighted.len()).min(out.confirmed.len()).min(gens.len());
-    let (blocks, weighted, confirmed) = (&mut out.blocks[..n], &mut out.weighted[..n], &mut out.confirmed[..n]);
+    let n = out.slots.len().min(gens.len());
+    let slots = &mut out.slots[..n];
     // What a record adds, by its flag bits (the same products as `w.of(r) * k`).
     let kf = f64::from(k);
     let add_weighted: [f64; 16] = std::array::from_fn(|flags| w.by_flags[flags] * kf);
@@ -310,27 +354,98 @@ fn credit_all(recs: &[u32], gens: &[u32], w: &MatchWeights, k: u32, out: &mut Pr
         // Every record's slot is below `n`; the test lets the indexing below go unchecked.
         if i < n && live_at(gens[i], r) {
             let flags = ((r >> FLAGS_SHIFT) & 0xf) as usize;
-            blocks[i] += k;
-            weighted[i] += add_weighted[flags];
-            confirmed[i] += add_confirmed[flags];
+            slots[i].add(k, add_confirmed[flags]);
+            slots[i].weighted += add_weighted[flags];
         }
     }
 }
 
-/// How many leading entries of `stored` equal those of `keys` with `heads` all `head`: four
+/// [`credit_all`], by a loop without the per-record tier lookups when every record of the
+/// posting carries the same flag bits (the common case: a prompt held in GPU memory).
+#[inline]
+fn credit(recs: &[u32], gens: &[u32], w: &MatchWeights, k: u32, out: &mut PrefixMatch) {
+    let (any, all) = recs.iter().fold((0, u32::MAX), |(any, all), &r| (any | r, all & r));
+    if (any ^ all) & (SPEC | TIERS) != 0 {
+        credit_all(recs, gens, w, k, out);
+    } else if all & TIERS != 0 {
+        credit_uniform::<true>(recs, gens, w.of(all) * f64::from(k), k, k, out);
+    } else {
+        credit_uniform::<false>(recs, gens, w.of(all) * f64::from(k), 0, k, out);
+    }
+}
+
+/// [`credit_all`] for records that all carry the same flag bits, held in a tier (`TIERED`) or
+/// only speculatively: each live record's slot gets `k` blocks, `weighted` and `confirmed`.
+#[inline]
+fn credit_uniform<const TIERED: bool>(
+    recs: &[u32],
+    gens: &[u32],
+    weighted: f64,
+    confirmed: u32,
+    k: u32,
+    out: &mut PrefixMatch,
+) {
+    let n = out.slots.len().min(gens.len());
+    let slots = &mut out.slots[..n];
+    for &r in recs {
+        let i = rec_slot(r);
+        if i >= n {
+            continue;
+        }
+        let g = gens[i];
+        // `live_at`, its tier test decided for the whole posting.
+        let live = g & ACTIVE != 0 && (!TIERED || (g.wrapping_sub(r & STAMP_MASK) & STAMP_MASK) < GENERATIONS);
+        if live {
+            slots[i].add(k, confirmed);
+            slots[i].weighted += weighted;
+        }
+    }
+}
+
+/// The record of `slot` in `recs` (sorted by slot, one per slot, slots below `n`): looked for
+/// first where an even spread of the slots would put it, a few steps either way (a posting
+/// held by most slots has it there or next to it), then by binary search.
+#[inline]
+fn record_of(recs: &[u32], slot: usize, n: usize) -> Option<u32> {
+    let want = slot as u32;
+    let guess = (slot * recs.len() / n.max(1)).min(recs.len().saturating_sub(1));
+    let (mut lo, mut hi) = (0, recs.len());
+    let mut at = guess;
+    for _ in 0..4 {
+        let got = owner(*recs.get(at)?);
+        if got == want {
+            return recs.get(at).copied();
+        }
+        if got < want {
+            lo = at + 1;
+            at += 1;
+        } else {
+            hi = at;
+            at = at.checked_sub(1)?;
+        }
+        if lo >= hi {
+            return None;
+        }
+    }
+    let rest = recs.get(lo..hi)?;
+    rest.binary_search_by_key(&want, |&r| owner(r)).ok().map(|j| rest[j])
+}
+
+/// How many leading entries of `stored` equal those of `keys` with `heads` all `head`: eight
 /// compared per step without a branch between them, then one by one.
 #[inline]
 fn same_run(stored: &[u64], heads: &[u32], keys: &[u64], head: u32) -> usize {
     let m = stored.len().min(heads.len()).min(keys.len());
     let (stored, heads, keys) = (&stored[..m], &heads[..m], &keys[..m]);
     let mut run = 0;
-    for ((s, h), k) in stored.chunks_exact(4).zip(heads.chunks_exact(4)).zip(keys.chunks_exact(4)) {
-        let same = (s[0] == k[0]) & (s[1] == k[1]) & (s[2] == k[2]) & (s[3] == k[3]);
-        let held = (h[0] == head) & (h[1] == head) & (h[2] == head) & (h[3] == head);
-        if !(same & held) {
+    for ((s, h), k) in stored.chunks_exact(8).zip(heads.chunks_exact(8)).zip(keys.chunks_exact(8)) {
+        // Any difference in a key or a head leaves a bit set.
+        let keys_differ = s.iter().zip(k).fold(0, |d, (s, k)| d | (s ^ k));
+        let heads_differ = h.iter().fold(0, |d, &h| d | (h ^ head));
+        if keys_differ | u64::from(heads_differ) != 0 {
             break;
         }
-        run += 4;
+        run += 8;
     }
     run + stored[run..]
         .iter()
@@ -1211,16 +1326,13 @@ impl PrefixIndex {
                 pristine = false;
                 saved.clear();
                 for (index, s) in seen.iter().enumerate() {
-                    saved.extend(bits(index, *s).map(|i| (i, out.blocks[i], out.weighted[i], out.confirmed[i])));
+                    saved.extend(bits(index, *s).map(|i| (i, out.slots[i])));
                 }
                 let first_recs = self.store.records_of(&first_head);
-                credit_all(first_recs, gens, w, k, out);
-                for &(i, blocks, weighted, confirmed) in saved.iter() {
-                    out.blocks[i] = blocks;
-                    out.weighted[i] = weighted;
-                    out.confirmed[i] = confirmed;
-                    let Ok(at) = first_recs.binary_search_by_key(&(i as u32), |&r| owner(r)) else { continue };
-                    let r = first_recs[at];
+                credit(first_recs, gens, w, k, out);
+                for &(i, before) in saved.iter() {
+                    out.slots[i] = before;
+                    let Some(r) = record_of(first_recs, i, self.slots.len()) else { continue };
                     if !live_in(gens, r) {
                         continue;
                     }
@@ -1230,7 +1342,7 @@ impl PrefixIndex {
                     let run = &mut runs[i];
                     *run = SlotRun { weight, start: 0, spec_from };
                     if seen_weight[i] != weight {
-                        out.weighted[i] += weight * f64::from(k);
+                        out.slots[i].weighted += weight * f64::from(k);
                         run.weight = seen_weight[i];
                         run.start = k;
                     }
@@ -1243,14 +1355,14 @@ impl PrefixIndex {
                 for (index, (a, s)) in alive.iter_mut().zip(seen.iter_mut()).enumerate() {
                     for i in bits(index, *a & !*s) {
                         let run = runs[i];
-                        out.blocks[i] += k;
-                        out.weighted[i] += run.weight * f64::from(k - run.start);
-                        out.confirmed[i] += run.spec_from.min(k);
+                        let m = &mut out.slots[i];
+                        m.add(k, run.spec_from.min(k));
+                        m.weighted += run.weight * f64::from(k - run.start);
                     }
                     for i in bits(index, *a & *s) {
                         let run = &mut runs[i];
                         if seen_weight[i] != run.weight {
-                            out.weighted[i] += run.weight * f64::from(k - run.start);
+                            out.slots[i].weighted += run.weight * f64::from(k - run.start);
                             run.weight = seen_weight[i];
                             run.start = k;
                         }
@@ -1266,15 +1378,15 @@ impl PrefixIndex {
             prev = head;
         }
         if pristine {
-            credit_all(self.store.records_of(&first_head), gens, w, k, out);
+            credit(self.store.records_of(&first_head), gens, w, k, out);
             return;
         }
         for (index, a) in alive.iter_mut().enumerate() {
             for i in bits(index, *a) {
                 let run = runs[i];
-                out.blocks[i] += k;
-                out.weighted[i] += run.weight * f64::from(k - run.start);
-                out.confirmed[i] += run.spec_from.min(k);
+                let m = &mut out.slots[i];
+                m.add(k, run.spec_from.min(k));
+                m.weighted += run.weight * f64::from(k - run.start);
             }
             *a = 0;
         }
@@ -1349,13 +1461,13 @@ mod tests {
     fn matches(ix: &PrefixIndex, seqs: &[&[u64]]) -> Vec<u32> {
         let mut out = PrefixMatch::default();
         ix.match_blocks(&rk(seqs), &w(), &mut out, &mut MatchScratch::default());
-        out.blocks
+        out.blocks()
     }
 
     fn weighted(ix: &PrefixIndex, seqs: &[&[u64]]) -> Vec<f64> {
         let mut out = PrefixMatch::default();
         ix.match_blocks(&rk(seqs), &w(), &mut out, &mut MatchScratch::default());
-        out.weighted
+        out.slots().iter().map(SlotMatch::weighted).collect()
     }
 
     #[test]
@@ -1645,6 +1757,54 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
+        /// `record_of` finds a slot's record exactly where a binary search does, whatever the
+        /// posting's share of the slots.
+        #[test]
+        fn record_of_finds_what_a_binary_search_finds(
+            slots in proptest::collection::btree_set(0u32..300, 0..300),
+            n in 1usize..400,
+            probe in 0usize..400,
+        ) {
+            let recs: Vec<u32> = slots.iter().map(|&s| (s << SLOT_SHIFT) | GPU | (s % 7)).collect();
+            let want = recs.binary_search_by_key(&(probe as u32), |&r| owner(r)).ok().map(|j| recs[j]);
+            prop_assert_eq!(record_of(&recs, probe, n), want);
+        }
+
+        /// The credit of a posting (`credit`, which takes the uniform loop when all records carry
+        /// the same flags) equals the per-record table loop (`credit_all`) bit for bit, from any
+        /// starting sums: live and dead records, stale stamps, inactive slots, slots past the
+        /// output, every flag combination, mixed or uniform.
+        #[test]
+        fn uniform_credit_equals_the_per_record_loop(
+            slots in proptest::collection::btree_set(0u32..40, 0..40),
+            flags in proptest::collection::vec(0u32..16, 40),
+            uniform in proptest::option::of(1u32..16),
+            stamps in proptest::collection::vec(0u32..40, 40),
+            gens in proptest::collection::vec((any::<bool>(), 0u32..40), 36),
+            start in proptest::collection::vec((0u32..100, 0u32..400), 36),
+            k in 1u32..200,
+        ) {
+            let recs: Vec<u32> = slots.iter().enumerate().map(|(j, &slot)| {
+                let f = uniform.unwrap_or(flags[j]).max(1);
+                (slot << SLOT_SHIFT) | (f << FLAGS_SHIFT) | stamps[j]
+            }).collect();
+            let gens: Vec<u32> = gens.iter().map(|&(active, g)| g | if active { ACTIVE } else { 0 }).collect();
+            let w = MatchWeights::new(&TierWeights { gpu: 1.0, cpu: 0.3, storage: 0.1 });
+            let mut a = PrefixMatch::default();
+            a.reset(34);
+            for (m, &(b, wt)) in a.slots.iter_mut().zip(&start) {
+                m.add(b, b / 2);
+                m.weighted = f64::from(wt) * 0.37;
+            }
+            let mut b = a.clone();
+            credit_all(&recs, &gens, &w, k, &mut a);
+            credit(&recs, &gens, &w, k, &mut b);
+            let figures = |m: &PrefixMatch| {
+                m.slots().iter().map(|s| (s.blocks(), s.confirmed(), s.weighted().to_bits())).collect::<Vec<_>>()
+            };
+            prop_assert_eq!(figures(&a), figures(&b));
+        }
+
         /// Invariants under random operation sequences: match results equal a naive computation
         /// from `contains`; live counts equal records found; capacity holds.
         #[test]
@@ -1697,9 +1857,9 @@ mod tests {
                             confirmed += u32::from(!spec_seen);
                         }
                     }
-                    prop_assert_eq!(full.blocks.get(s).copied().unwrap_or(0), blocks, "blocks of slot {}", s);
-                    prop_assert!((full.weighted.get(s).copied().unwrap_or(0.0) - weighted).abs() < 1e-9, "weighted of slot {}: {:?} vs {}", s, full.weighted.get(s), weighted);
-                    prop_assert_eq!(full.confirmed.get(s).copied().unwrap_or(0), confirmed, "confirmed of slot {}", s);
+                    prop_assert_eq!(full.get(s).blocks(), blocks, "blocks of slot {}", s);
+                    prop_assert!((full.get(s).weighted() - weighted).abs() < 1e-9, "weighted of slot {}: {:?} vs {}", s, full.get(s), weighted);
+                    prop_assert_eq!(full.get(s).confirmed(), confirmed, "confirmed of slot {}", s);
                     prop_assert!(ix.memberships_of(s) <= cap);
                     prop_assert_eq!(u64::from(ix.memberships_of(s)), ix.live_records_in_table(s));
                     if !is_active { prop_assert_eq!(ix.memberships_of(s), 0); }

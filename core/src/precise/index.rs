@@ -834,7 +834,7 @@ mod tests {
     fn matched(ix: &KvIndex, keys: &RequestKeys) -> Vec<u32> {
         let mut out = PrefixMatch::default();
         ix.match_blocks(keys, &MatchWeights::new(&TierWeights::default()), &mut out, &mut MatchScratch::default());
-        out.blocks
+        out.blocks()
     }
 
     #[test]

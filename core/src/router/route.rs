@@ -294,7 +294,7 @@ impl IndexWrites {
 /// only the rest of a single-sequence prompt is speculated.
 fn precise_held(keys: &KeyBufs, s: &DecideScratch, slot: u16) -> u32 {
     if keys.precise.seq_starts.len() == 1 {
-        s.pmatched.confirmed.get(slot as usize).copied().unwrap_or(0)
+        s.pmatched.get(slot as usize).confirmed()
     } else {
         0
     }
@@ -647,10 +647,11 @@ impl RouterCore {
             } else {
                 (&*matched, approx_per_block, approx_block_tokens)
             };
-            let matched_blocks = m.blocks.get(i).copied().unwrap_or(0);
+            let slot_match = m.get(i);
+            let matched_blocks = slot_match.blocks();
             let inputs = score::FeatureInputs {
                 matched_blocks,
-                weighted_blocks: m.weighted.get(i).copied().unwrap_or(0.0),
+                weighted_blocks: slot_match.weighted(),
                 hit_per_block,
                 cached_tokens: (u64::from(matched_blocks) * block_tokens).min(input_tokens),
                 precise,
