@@ -147,7 +147,10 @@ for t in "${TESTS[@]}"; do
 done
 # Suppressions (ffi/tests/valgrind.supp, reasons there): only "possibly lost" process-lifetime
 # allocations of Rust std and minijinja, never kvroute's own blocks.
-VALGRIND=(valgrind -q --error-exitcode=99 --leak-check=full
+# --fair-sched=yes: valgrind runs one thread at a time; its fair lock hands the CPU round-robin
+# instead of back to the thread that just released it (the threads and flow tests hammer the
+# router's locks from several threads).
+VALGRIND=(valgrind -q --fair-sched=yes --error-exitcode=99 --leak-check=full
   --show-leak-kinds=definite,indirect,possible --errors-for-leak-kinds=definite,indirect,possible
   --suppressions=ffi/tests/valgrind.supp)
 for t in "${TESTS[@]}"; do
