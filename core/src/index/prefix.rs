@@ -334,7 +334,14 @@ fn live_in(gens: &[u32], rec: u32) -> bool {
 /// [`live_in`] given the mirror word `g` of the record's slot.
 #[inline(always)]
 fn live_at(g: u32, rec: u32) -> bool {
-    g & ACTIVE != 0 && (rec & TIERS == 0 || (g.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS)
+    g & ACTIVE != 0 && (rec & TIERS == 0 || stamp_live(g, rec))
+}
+
+/// Whether a tiered record's generation stamp is among the last `GENERATIONS` of the
+/// generation `g` (the slot's generation, or its mirror word).
+#[inline(always)]
+fn stamp_live(g: u32, rec: u32) -> bool {
+    (g.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS
 }
 
 /// Credit every live record of `recs` with `k` leading blocks (weighted by its tier; confirmed
@@ -394,7 +401,7 @@ fn credit_uniform<const TIERED: bool>(
         }
         let g = gens[i];
         // `live_at`, its tier test decided for the whole posting.
-        let live = g & ACTIVE != 0 && (!TIERED || (g.wrapping_sub(r & STAMP_MASK) & STAMP_MASK) < GENERATIONS);
+        let live = g & ACTIVE != 0 && (!TIERED || stamp_live(g, r));
         if live {
             slots[i].add(k, confirmed);
             slots[i].weighted += weighted;
@@ -522,7 +529,7 @@ fn is_live(slots: &[SlotState], rec: u32) -> bool {
         // A speculative-only record carries its expiry tick, not a generation: it lives until
         // the speculation queue withdraws it (or its endpoint goes).
         Some(s) if rec & TIERS == 0 => s.active,
-        Some(s) => s.active && (s.gen.wrapping_sub(rec & STAMP_MASK) & STAMP_MASK) < GENERATIONS,
+        Some(s) => s.active && stamp_live(s.gen, rec),
         None => false,
     }
 }
