@@ -15,7 +15,8 @@
 //!   applier back to back), which shows how far the machine moved the figure.
 //!
 //! `KVROUTE_THREADS_PART=scaling` (or `precise-scaling`) runs one scaling part alone, shared
-//! router only (e.g. under a profiler).
+//! router only (e.g. under a profiler); `KVROUTE_THREADS_PART=events` runs the lookups under
+//! events alone (each run alone and beside the applier, printed as it goes).
 //! Both are timed with `Instant` over fixed operation counts; each figure is the median of
 //! `RUNS` runs (the conditions alternate, so machine noise hits both alike). Criterion times one
 //! route + complete on the shared router with and without an applier thread. The summary printed
@@ -308,6 +309,31 @@ fn main() {
         for &t in &thread_counts() {
             let r = median((0..RUNS).map(|_| scaling_run(&router, &reqs, t, OPS)).collect());
             println!("route+complete, {t} thread(s): {r:.0} decisions/s");
+        }
+        return;
+    }
+    if part == "events" {
+        let (router, ids, reqs, batches) = precise_router();
+        let (router, ids, reqs, batches) = (Arc::new(router), Arc::new(ids), Arc::new(reqs), Arc::new(batches));
+        let clock = Arc::new(AtomicU64::new(NOW));
+        lookup_run(&router, &ids, &reqs, &batches, &clock, Some(&router));
+        // `KVROUTE_THREADS_ONLY=alone` (or `beside`): only that side, for a profiler.
+        let only = std::env::var("KVROUTE_THREADS_ONLY").unwrap_or_default();
+        if !only.is_empty() {
+            let target = (only == "beside").then_some(&router);
+            for _ in 0..RUNS {
+                let (l, a) = lookup_run(&router, &ids, &reqs, &batches, &clock, target);
+                println!("lookups {l:.0}/s ({only}), {a:.0} batches/s");
+            }
+            return;
+        }
+        for _ in 0..RUNS {
+            let alone = lookup_run(&router, &ids, &reqs, &batches, &clock, None).0;
+            let (with, applied) = lookup_run(&router, &ids, &reqs, &batches, &clock, Some(&router));
+            println!(
+                "lookups {alone:.0}/s alone, {with:.0}/s beside the applier ({:.1}% slower) at {applied:.0} batches/s",
+                (1.0 - with / alone) * 100.0
+            );
         }
         return;
     }

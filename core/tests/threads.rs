@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvroute::{BlockStored, EndpointSpec, EventBatch, KvEvent, Medium, MetricsSnapshot, Policy, Role};
-use kvroute::{RouteRequest, Router, RouterCore, StateError};
+use kvroute::{RouteRequest, Router, RouterCore, RouterStats, StateError};
 
 const ENDPOINTS: usize = 6;
 /// Short in-flight timeout and speculation TTL, so expiry comes due during the sequences.
@@ -135,12 +135,20 @@ fn one_thread_router_decides_as_the_core() {
                 expired += usize::from(x.is_err());
             }
         }
-        let (a, b) = (router.stats(), core.stats());
+        let (a, b) = (as_one_copy(router.stats()), core.stats());
         assert_eq!(a, b);
         assert!(a.counters.inflight_expired > 0, "expiry came due during the sequence");
         assert_eq!(expired, 0, "requests completed within the timeout were still in flight");
         assert_eq!(router.endpoints(), core.endpoints());
     }
+}
+
+/// A router's stats as a core's: a router keeps two copies of the precise index (lookups read
+/// one while events and speculation are written into the other), a core one.
+fn as_one_copy(mut s: RouterStats) -> RouterStats {
+    assert_eq!(s.precise.copies, 2, "a router keeps two copies of the precise index");
+    s.precise.copies = 1;
+    s
 }
 
 /// A prompt routed again and again: the decisions' index writes become no-ops (a speculation
@@ -164,7 +172,7 @@ fn one_thread_router_decides_as_the_core_on_repeated_prompts() {
                 assert_eq!(router.complete(&rid), core.complete(&rid));
             }
         }
-        assert_eq!(router.stats(), core.stats());
+        assert_eq!(as_one_copy(router.stats()), core.stats());
         assert_eq!(router.endpoints(), core.endpoints());
     }
 }
@@ -318,4 +326,59 @@ fn a_decision_from_a_thread_local_destructor_routes() {
     .unwrap();
     assert!(rx.recv().unwrap(), "the late decision failed");
     assert_eq!(router.stats().inflight_requests, 2);
+}
+
+/// Stats read from each of a router's two copies of the precise index (`stats` reads the
+/// published one; an empty batch at the sequence's last time is written into both and
+/// publishes the other), the second with the empty batch's count taken off.
+fn stats_of_both_copies(router: &Router) -> (RouterStats, RouterStats) {
+    let empty = EventBatch { ts: 1.0, events: Vec::new(), data_parallel_rank: None };
+    router.apply_batch(&id(0), &empty, None, 1_299).unwrap();
+    let a = router.stats();
+    router.apply_batch(&id(0), &empty, None, 1_299).unwrap();
+    let mut b = router.stats();
+    b.precise.batches -= 1;
+    (a, b)
+}
+
+/// Events applied by two threads while two others route and complete on one router (precise
+/// index, dual keys): the precise index's two copies end equal (every batch and every
+/// speculation reached both, in one order), and every decision and batch was counted once.
+#[test]
+fn the_precise_copies_agree_after_events_beside_decisions() {
+    const PRECISE: &str =
+        r#"{"index":{"mode":"precise","speculative_ttl_ms":300},"metrics":{"staleness_ms":1000000000000}}"#;
+    let router = Arc::new(setup_router(PRECISE));
+    let appliers: Vec<_> = (0..2u64)
+        .map(|t| {
+            let r = router.clone();
+            std::thread::spawn(move || {
+                for k in 0..300u64 {
+                    let i = t * 1000 + k;
+                    r.apply_batch(&id((splitmix(i) % ENDPOINTS as u64) as usize), &stored(i % 40), None, 1_000 + k)
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    let routers: Vec<_> = (0..2u64)
+        .map(|t| {
+            let r = router.clone();
+            std::thread::spawn(move || {
+                for k in 0..300u64 {
+                    let i = (k * 7 + t) % 60;
+                    let d = r.route_http(body(i).as_bytes(), headers(i), 1_000 + k).unwrap();
+                    r.complete(&d.request_id).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in appliers.into_iter().chain(routers) {
+        h.join().unwrap();
+    }
+    let (a, b) = stats_of_both_copies(&router);
+    assert_eq!(a, b, "the two copies agree");
+    assert_eq!(a.precise.copies, 2);
+    assert_eq!((a.precise.batches, a.counters.routed, a.inflight_requests), (601, 600, 0));
+    assert!(a.precise.index.memberships > 0 && a.precise.speculative_requests > 0, "{:?}", a.precise);
 }

@@ -301,6 +301,7 @@ const DUP_ENTRY_BYTES: usize = 48;
 /// holders beyond the first cost 4 bytes each in a chunk shared by the blocks with the same
 /// holders; an outstanding duplicate store on an offload tier costs one side-table entry (about
 /// 48 bytes). See `memory_bytes` and the `index_memory` test for measured bytes per membership.
+#[derive(Clone)]
 pub struct PrefixIndex {
     store: BlockStore,
     dups: DupCounts,

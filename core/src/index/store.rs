@@ -152,6 +152,7 @@ fn reserve_stepped<T>(v: &mut Vec<T>, extra: usize) {
 }
 
 /// Blocks, their keys and their shared holder sets.
+#[derive(Clone)]
 pub(crate) struct BlockStore {
     buckets: Vec<u32>,
     /// Low bits of a bucket holding `pos + 1`; the high `32 - pos_bits` hold a tag of the key

@@ -76,7 +76,7 @@ impl ReqKeys {
 /// capacity it becomes the previous one (the older previous one is dropped); a hit in the previous
 /// map moves the entry forward. Memory stays below `capacity` entries; recently used engine blocks
 /// are never forgotten first.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct EngineKeyMap {
     cur: KeyMap<ReqKeys>,
     prev: KeyMap<ReqKeys>,
@@ -188,12 +188,17 @@ pub struct PreciseStats {
     pub replays: u64,
     /// Replays that failed (unavailable, timed out, too old).
     pub replay_failures: u64,
+    /// Copies of the index held: 1 in a `RouterCore` on its own, 2 in a `Router` (lookups read
+    /// one while events are written into the other; see the README's "Threads"). The sizes
+    /// above are one copy's; [`PreciseStats::memory_bytes`] counts every copy.
+    pub copies: u64,
 }
 
 impl PreciseStats {
-    /// Heap bytes of the whole precise index: block store, engine-key maps and speculation.
+    /// Heap bytes of the whole precise index (block store, engine-key maps and speculation),
+    /// every copy held.
     pub fn memory_bytes(&self) -> u64 {
-        self.index.memory_bytes + self.map_memory_bytes + self.speculation_memory_bytes
+        (self.index.memory_bytes + self.map_memory_bytes + self.speculation_memory_bytes) * self.copies.max(1)
     }
 }
 
@@ -307,6 +312,26 @@ impl KvIndex {
             epochs: Vec::new(),
             streams: Vec::new(),
             stats: PreciseStats::default(),
+            scratch_keys: Vec::new(),
+            scratch_bytes: Vec::new(),
+        }
+    }
+
+    /// A copy of the index, sharing the speculation's clock with it (the second copy a
+    /// `Router` keeps: see `router/kv_cell.rs`). Deterministic methods applied to both in the
+    /// same order keep them equal.
+    pub(crate) fn twin(&self) -> KvIndex {
+        KvIndex {
+            blocks: self.blocks.clone(),
+            scheme: self.scheme,
+            hashing: self.hashing,
+            engine_block_tokens: self.engine_block_tokens,
+            maps: self.maps.clone(),
+            map_capacity: self.map_capacity,
+            speculation: self.speculation.twin(),
+            epochs: self.epochs.clone(),
+            streams: self.streams.clone(),
+            stats: self.stats,
             scratch_keys: Vec::new(),
             scratch_bytes: Vec::new(),
         }
@@ -670,6 +695,12 @@ impl KvIndex {
         self.speculation.observe(now_ms);
     }
 
+    /// The speculation's clock (shared with the index's twin), for
+    /// [`observe_clock`](KvIndex::observe_clock) without the index.
+    pub(crate) fn speculation_clock(&self) -> crate::precise::speculation::SpecClock {
+        self.speculation.clock()
+    }
+
     /// The latest `now` the speculation has seen (a replicated effect's expiry is held to it
     /// plus the TTL).
     pub(crate) fn speculation_now(&self) -> Option<u64> {
@@ -743,6 +774,7 @@ impl KvIndex {
             speculation_memory_bytes: self.speculation.memory_bytes() as u64,
             speculative_requests: self.speculation.len() as u64,
             speculative_blocks: self.blocks.speculative_memberships(),
+            copies: 1,
             ..self.stats
         }
     }

@@ -15,7 +15,7 @@ mod index;
 mod keys;
 #[cfg(feature = "zmq")]
 mod sink;
-mod speculation;
+pub(crate) mod speculation;
 mod stream;
 #[cfg(feature = "zmq")]
 pub(crate) mod zmq_sub;

@@ -17,6 +17,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::approx::BlockKey;
 
@@ -31,7 +32,7 @@ fn tick(ms: u64) -> u64 {
 }
 
 /// One routed request's speculation on one endpoint slot.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Speculation {
     /// When it is withdrawn (router time, ms).
     pub deadline_ms: u64,
@@ -58,11 +59,32 @@ pub(crate) struct SpecQueue {
     ttl_ms: u64,
     /// The latest `now` seen ([`NO_TIME`] before the first): an atomic so that a router's
     /// decisions can move it under a shared lock when nothing is due ([`SpecQueue::observe`]).
-    now_ms: AtomicU64,
+    /// Shared with the queue's [`twin`](SpecQueue::twin): the two copies of an index a `Router`
+    /// keeps read one clock, so a decision moving it moves it for both.
+    now_ms: Arc<AtomicU64>,
 }
 
 /// [`SpecQueue::now_ms`] before any `now` was seen.
 const NO_TIME: u64 = u64::MAX;
+
+/// A handle on a queue's clock (shared by its twins): what [`SpecQueue::observe`] moves.
+pub(crate) struct SpecClock(Arc<AtomicU64>);
+
+impl SpecClock {
+    /// [`SpecQueue::observe`].
+    pub(crate) fn observe(&self, now_ms: u64) {
+        observe(&self.0, now_ms);
+    }
+}
+
+fn observe(word: &AtomicU64, now_ms: u64) {
+    let now_ms = now_ms.min(NO_TIME - 1);
+    // Read first: decisions on several threads at the same millisecond then share the word's
+    // cache line instead of taking it from each other.
+    if word.load(Ordering::Relaxed) != now_ms {
+        word.store(now_ms, Ordering::Relaxed);
+    }
+}
 
 fn ring_len(ttl_ms: u64) -> usize {
     usize::try_from(tick(ttl_ms) + 3).unwrap_or(usize::MAX >> 1).next_power_of_two()
@@ -79,7 +101,21 @@ impl SpecQueue {
             keys: 0,
             cap_records: 0,
             ttl_ms,
-            now_ms: AtomicU64::new(NO_TIME),
+            now_ms: Arc::new(AtomicU64::new(NO_TIME)),
+        }
+    }
+
+    /// A copy of the queue that shares its clock (see `now_ms`).
+    pub(crate) fn twin(&self) -> Self {
+        SpecQueue {
+            buckets: self.buckets.clone(),
+            lo: self.lo,
+            hi: self.hi,
+            len: self.len,
+            keys: self.keys,
+            cap_records: self.cap_records,
+            ttl_ms: self.ttl_ms,
+            now_ms: Arc::clone(&self.now_ms),
         }
     }
 
@@ -99,12 +135,12 @@ impl SpecQueue {
     /// buckets, changes nothing a lookup or a later call reads (the next `advance`, which every
     /// insertion follows, catches up).
     pub(crate) fn observe(&self, now_ms: u64) {
-        let now_ms = now_ms.min(NO_TIME - 1);
-        // Read first: decisions on several threads at the same millisecond then share the
-        // word's cache line instead of taking it from each other.
-        if self.now_ms.load(Ordering::Relaxed) != now_ms {
-            self.now_ms.store(now_ms, Ordering::Relaxed);
-        }
+        observe(&self.now_ms, now_ms);
+    }
+
+    /// The queue's clock, to [`observe`](SpecClock::observe) without the queue.
+    pub(crate) fn clock(&self) -> SpecClock {
+        SpecClock(Arc::clone(&self.now_ms))
     }
 
     /// How long a speculation may have run before routing the same blocks there again extends

@@ -92,7 +92,7 @@ impl RouterCore {
         e.header("kvroute_event_stream_healthy", "gauge", "1 when routing trusts the endpoint's KV-event stream.");
         for &slot in &order {
             if let Some(ep) = st.endpoints.get(slot) {
-                let info = st.kv.stream_info(slot as usize, now_ms);
+                let info = st.kv.read().stream_info(slot as usize, now_ms);
                 e.sample("kvroute_event_stream_healthy", &[("endpoint", &ep.id)], if info.healthy { 1.0 } else { 0.0 });
             }
         }
@@ -103,7 +103,7 @@ impl RouterCore {
         );
         for &slot in &order {
             if let Some(ep) = st.endpoints.get(slot) {
-                let info = st.kv.stream_info(slot as usize, now_ms);
+                let info = st.kv.read().stream_info(slot as usize, now_ms);
                 if let Some(at) = info.last_applied_ms {
                     e.sample(
                         "kvroute_event_lag_seconds",
@@ -116,7 +116,7 @@ impl RouterCore {
         e.header("kvroute_event_age_seconds", "gauge", "Seconds since the endpoint's last applied KV-event batch.");
         for &slot in &order {
             if let Some(ep) = st.endpoints.get(slot) {
-                if let Some(at) = st.kv.stream_info(slot as usize, now_ms).last_applied_ms {
+                if let Some(at) = st.kv.read().stream_info(slot as usize, now_ms).last_applied_ms {
                     e.sample(
                         "kvroute_event_age_seconds",
                         &[("endpoint", &ep.id)],

@@ -14,6 +14,7 @@
 mod exposition;
 mod flow;
 mod inflight;
+mod kv_cell;
 mod policy;
 mod replication;
 mod route;
@@ -22,7 +23,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use arc_swap::ArcSwap;
@@ -53,21 +54,25 @@ use route::{prepare_keys, BooksView, DecideScratch, KeyBufs};
 /// phase (both index matches, every endpoint's score, the picks, the mode) under the shared
 /// lock, in parallel across threads, into per-thread scratch; then the write phase (request id,
 /// in-flight counters, assumed residency, speculation, session, counters). When the decision's
-/// index writes are no-ops (the prompt is already held where it goes, as for a conversation's
-/// or a shared system prompt's repeat) and nothing else needs it, the write phase books under
-/// the same shared lock: the endpoints' loads are atomic counters and the requests in flight,
-/// sessions and counters sit behind a mutex of their own, held for a few hundred nanoseconds.
-/// Otherwise (new blocks to write, time-driven expiry due, flow control or replica publishing
-/// on) it runs under the exclusive lock. Completions likewise take the shared lock unless they
-/// are published to replicas. State another thread changed in between is read as it was when
-/// the read phase ran (as if that change had come a moment later); a change of endpoints,
-/// health or policy in between makes the write phase decide again, and an index written in
-/// between makes it write. One thread alone decides exactly as [`RouterCore`] does.
+/// approximate-index writes are no-ops (the prompt is already held where it goes, as for a
+/// conversation's or a shared system prompt's repeat, or the approximate index is not used) and
+/// nothing else needs it, the write phase books under the same shared lock: the endpoints'
+/// loads are atomic counters, the requests in flight, sessions and counters sit behind a mutex
+/// of their own, held for a few hundred nanoseconds, and the precise index's speculation goes
+/// into its two copies beside lookups (below). Otherwise (new blocks for the approximate index,
+/// a request in flight due to expire, flow control or replica publishing on) it runs under the
+/// exclusive lock. Completions likewise take the shared lock unless they are published to
+/// replicas. State another thread changed in between is read as it was when the read phase ran
+/// (as if that change had come a moment later); a change of endpoints, health or policy in
+/// between makes the write phase decide again, and an index written in between under the
+/// exclusive lock makes it write. One thread alone decides exactly as [`RouterCore`] does.
 ///
-/// Event application ([`Router::apply_batch`], [`Router::apply_events`]) gives way to routing:
-/// before it takes the exclusive lock it waits while decisions are under way (for at most
-/// 8 of them to finish), so a stream of events applied at full rate fills the gaps
-/// between decisions instead of holding them up. Events are decoded outside the lock.
+/// The precise index is kept in two copies (`kv_cell.rs`): lookups read the published one,
+/// while event application ([`Router::apply_batch`], [`Router::apply_events`]), the
+/// decisions' speculation and the withdrawal of speculation come due write the other one,
+/// publish it, and write the same into the first once the lookups reading it have left. So
+/// events, applied under the shared lock, never hold up a lookup, and a lookup never waits for
+/// a writer. Events are decoded outside the lock.
 pub struct Router {
     policy: ArcSwap<ActivePolicy>,
     core: RwLock<RouterCore>,
@@ -78,12 +83,6 @@ pub struct Router {
     /// of them is published beside them at every unlock, so a request without a session plans
     /// without taking their lock (see `BooksCell`).
     books: BooksCell,
-    /// Decisions under way (waiting for the lock or holding it; low 32 bits) and finished
-    /// (high 32 bits, wrapping; bounds how long event application gives way), in stripes of a
-    /// cache line each: a thread writes its own stripe (two atomic additions per decision), so
-    /// threads deciding at once do not pass one line back and forth; event application reads
-    /// them all (see `yield_to_decisions`).
-    deciding: Box<[Stripe; DECIDING_STRIPES]>,
     /// Turns text and chat prompts into the engine's token ids for the precise index.
     #[cfg(feature = "tokenizer")]
     tokenizer: arc_swap::ArcSwapOption<crate::tokenize::Tokenizer>,
@@ -110,41 +109,6 @@ struct ThreadBufs {
     decide: DecideScratch,
 }
 
-/// The most decisions (and completions) event application waits for before it takes the lock
-/// regardless: events are never held back longer than this many decisions.
-const EVENT_DEFER_DECISIONS: u64 = 8;
-
-/// Stripes of the decisions-under-way count (see `Router::deciding`); a thread keeps one.
-const DECIDING_STRIPES: usize = 16;
-
-/// One stripe of the decisions-under-way count, alone on its cache line (two lines: adjacent-line
-/// prefetch pairs them on x86). Hand-written rather than crossbeam's `CachePadded`: the
-/// attribute is the whole of it, and core takes no dependency for one.
-#[derive(Default)]
-#[repr(align(128))]
-struct Stripe(AtomicU64);
-
-/// Hands out stripes to threads in turn.
-static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
-
-std::thread_local! {
-    /// This thread's stripe.
-    static STRIPE: usize = NEXT_STRIPE.fetch_add(1, Ordering::Relaxed) % DECIDING_STRIPES;
-}
-
-/// A decision under way on one stripe (see [`Router::deciding`]).
-struct Deciding<'a>(&'a AtomicU64);
-
-/// One decision finished and one fewer under way, in one addition (`DECIDED - 1` never borrows
-/// from the high half: the low half counts this decision).
-const DECIDED: u64 = 1 << 32;
-
-impl Drop for Deciding<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_add(DECIDED - 1, Ordering::Release);
-    }
-}
-
 std::thread_local! {
     static BUFS: std::cell::Cell<ThreadBufs> = std::cell::Cell::new(ThreadBufs::default());
 }
@@ -162,18 +126,40 @@ struct BooksCell {
     draws: AtomicU64,
     /// When the oldest request in flight started at the last unlock (`u64::MAX`: none).
     oldest_started: AtomicU64,
+    /// The latest `now` of the events applied since the books were last locked (0: none), for
+    /// `Books::last_now_ms`: event application (beside decisions) does not take the books'
+    /// mutex, and the next holder takes it into account as the events would have.
+    events_now: AtomicU64,
 }
 
 impl BooksCell {
     fn new(books: Books) -> Self {
-        let cell = BooksCell { books: Mutex::new(books), draws: AtomicU64::new(0), oldest_started: AtomicU64::new(0) };
+        let cell = BooksCell {
+            books: Mutex::new(books),
+            draws: AtomicU64::new(0),
+            oldest_started: AtomicU64::new(0),
+            events_now: AtomicU64::new(0),
+        };
         drop(cell.lock());
         cell
     }
 
     /// The books, locked until the guard drops (which publishes them).
     fn lock(&self) -> BooksGuard<'_> {
-        BooksGuard { books: self.books.lock().unwrap_or_else(PoisonError::into_inner), cell: self }
+        let mut books = self.books.lock().unwrap_or_else(PoisonError::into_inner);
+        // Read first: the line stays shared while no events come.
+        if self.events_now.load(Ordering::Relaxed) != 0 {
+            let now = self.events_now.swap(0, Ordering::Relaxed);
+            books.last_now_ms = books.last_now_ms.max(now);
+        }
+        BooksGuard { books, cell: self }
+    }
+
+    /// Events applied at `now_ms` (see `events_now`).
+    fn events_at(&self, now_ms: u64) {
+        if self.events_now.load(Ordering::Relaxed) < now_ms {
+            self.events_now.fetch_max(now_ms, Ordering::Relaxed);
+        }
     }
 
     fn publish(&self, books: &Books) {
@@ -254,11 +240,12 @@ impl std::ops::DerefMut for CoreMut<'_> {
 impl From<RouterCore> for Router {
     fn from(mut core: RouterCore) -> Router {
         let books = std::mem::replace(&mut core.books, Books::new(1));
+        // Two copies of the precise index: events are written beside lookups (`kv_cell.rs`).
+        core.kv = core.kv.into_shared();
         Router {
             policy: ArcSwap::new(core.policy().clone()),
             core: RwLock::new(core),
             books: BooksCell::new(books),
-            deciding: Box::default(),
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
         }
@@ -293,45 +280,6 @@ impl Router {
     /// The books (after the core's lock, when both are taken).
     fn books(&self) -> BooksGuard<'_> {
         self.books.lock()
-    }
-
-    /// Count a decision under way, on this thread's stripe, until the guard drops.
-    fn deciding(&self) -> Deciding<'_> {
-        // Stripe 0 while the thread's locals are being destroyed.
-        let stripe = &self.deciding[STRIPE.try_with(|s| *s).unwrap_or(0)].0;
-        stripe.fetch_add(1, Ordering::Acquire);
-        Deciding(stripe)
-    }
-
-    /// Decisions under way and finished (mod 2^32), summed over the stripes. Each stripe's
-    /// finished count wraps at 2^32, so the sum is exact mod 2^32.
-    fn decisions(&self, order: Ordering) -> (u64, u32) {
-        let (mut under_way, mut finished) = (0u64, 0u32);
-        for s in self.deciding.iter() {
-            let w = s.0.load(order);
-            under_way += w & (DECIDED - 1);
-            finished = finished.wrapping_add((w >> 32) as u32);
-        }
-        (under_way, finished)
-    }
-
-    /// Event application's turn: wait while decisions are under way, for at most
-    /// `EVENT_DEFER_DECISIONS` of them to finish.
-    fn yield_to_decisions(&self) {
-        let (_, start) = self.decisions(Ordering::Relaxed);
-        let mut spins = 0u32;
-        loop {
-            let (under_way, finished) = self.decisions(Ordering::Acquire);
-            if under_way == 0 || u64::from(finished.wrapping_sub(start)) >= EVENT_DEFER_DECISIONS {
-                break;
-            }
-            if spins < 64 {
-                std::hint::spin_loop();
-                spins += 1;
-            } else {
-                std::thread::yield_now();
-            }
-        }
     }
 
     /// Run `f` on the core under the lock (for several operations that must see one state).
@@ -545,8 +493,19 @@ impl Router {
         seq: Option<u64>,
         now_ms: u64,
     ) -> Result<ApplyOutcome, StateError> {
-        self.yield_to_decisions();
-        self.lock().apply_batch(endpoint, batch, seq, now_ms)
+        // Beside decisions, under the shared lock: the batch goes into the precise index's
+        // unpublished copy, then into the other once the lookups reading it have left, so no
+        // lookup waits for it (see `kv_cell.rs`).
+        let shared = self.read().apply_batch_shared(endpoint, batch, seq, now_ms);
+        match shared {
+            Some(r) => {
+                if r.is_ok() {
+                    self.books.events_at(now_ms);
+                }
+                r
+            }
+            None => self.lock().apply_batch(endpoint, batch, seq, now_ms),
+        }
     }
 
     /// Read `endpoint`'s `/metrics` page (vLLM or SGLang Prometheus text, taken at `now_ms`) and
@@ -710,30 +669,45 @@ impl Router {
         s: &mut DecideScratch,
         now_ms: u64,
     ) -> Result<Decision, RouteError> {
-        let _deciding = self.deciding();
         let plan = {
             let core = self.read();
+            // One copy of the precise index for the whole read phase (see `kv_cell.rs`). The
+            // speculation due at `now_ms` is withdrawn first, beside lookups.
+            let mut kv = core.kv.read();
+            if kv.expiry_due(now_ms) {
+                drop(kv);
+                core.expire_shared(now_ms);
+                kv = core.kv.read();
+            }
             // A request without a session reads what the books published at their last
             // unlock; one with a session reads its affinity from them, under their lock.
             let view = match session_key(req) {
                 None => {
                     let (draws, oldest_started) = self.books.published();
-                    (!core.maintenance_due_at(oldest_started, active, now_ms)).then(|| BooksView::sessionless(draws))
+                    (!core.maintenance_due_with(&kv, oldest_started, active, now_ms))
+                        .then(|| BooksView::sessionless(draws))
                 }
                 key => {
                     let books = self.books();
-                    (!core.maintenance_due_in(&books, active, now_ms)).then(|| books.view_of(key))
+                    (!core.maintenance_due_with(&kv, books.oldest_started(), active, now_ms))
+                        .then(|| books.view_of(key))
                 }
             };
             match view {
                 None => None,
                 Some(view) => {
-                    let plan = core.plan(view, active, req, keys, now_ms, s);
+                    let plan = core.plan(&kv, view, active, req, keys, now_ms, s);
+                    drop(kv);
                     // The books' lock is held for the booking only (the guard is a temporary of
-                    // this statement); the decision is built after it.
+                    // this statement); the speculation and the decision come after it.
                     let booking = core.commit_shared(&mut self.books(), active, req, keys, plan, now_ms, s);
                     match booking {
-                        Ok(b) => return Ok(core.finish_shared(active, keys, b, now_ms)),
+                        Ok(b) => {
+                            if b.speculate {
+                                core.speculate_shared(active, keys, &b, s, now_ms);
+                            }
+                            return Ok(core.finish_shared(active, keys, b, now_ms));
+                        }
                         Err(plan) => Some(plan),
                     }
                 }

@@ -37,14 +37,14 @@ impl RouterCore {
                 }
             }
         }
-        if e.precise_fingerprint == self.kv.fingerprint() && !e.precise_keys.is_empty() {
+        if e.precise_fingerprint == self.kv.read().fingerprint() && !e.precise_keys.is_empty() {
             // The expiry is held to this instance's clock plus the TTL (a peer's far-future
             // expiry cannot pin entries here).
-            let now = self.kv.speculation_now().unwrap_or(e.now_ms);
-            self.kv.write().expire(now);
+            let now = self.kv.read().speculation_now().unwrap_or(e.now_ms);
+            self.kv.write(|kv| kv.expire(now));
             for (i, s) in slots.enumerate() {
                 let skip = e.precise_skip[i] as usize;
-                self.kv.write().speculate_from(&e.precise_keys, skip, s as usize, e.speculative_expires_ms, now);
+                self.kv.write(|kv| kv.speculate_from(&e.precise_keys, skip, s as usize, e.speculative_expires_ms, now));
             }
         }
         let target = self.endpoints.get(t_slot).map_or(SlotRef { slot: t_slot, incarnation: 0 }, |ep| SlotRef {

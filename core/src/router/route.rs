@@ -28,6 +28,7 @@ use crate::effect::RoutingEffect;
 use crate::endpoints::{EndpointTable, Role};
 use crate::error::RouteError;
 use crate::index::{MatchScratch, MatchWeights, PrefixMatch};
+use crate::precise::KvIndex;
 use crate::request::RouteRequest;
 use crate::score::{self, EndpointScore, MaxScoreWalk, Tiebreak};
 
@@ -148,8 +149,9 @@ pub(crate) struct Plan {
     outcome: Planned,
     /// The indexes' write counts when the plan was made.
     writes: (u64, u64),
-    /// Whether the index writes of a routed plan are no-ops (at `writes`).
-    quiet: bool,
+    /// Whether the index writes of a routed plan are no-ops (at `writes`): the approximate
+    /// index's, the precise index's.
+    quiet: (bool, bool),
 }
 
 impl Plan {
@@ -201,6 +203,8 @@ pub(crate) struct SharedBooking {
     pick: Pick,
     m: ModeChoice,
     booked: Booked,
+    /// The decision's speculation is still to be written ([`RouterCore::speculate_shared`]).
+    pub(crate) speculate: bool,
 }
 
 /// The decode endpoint picked.
@@ -288,6 +292,13 @@ impl IndexWrites {
     fn slots(&self) -> impl Iterator<Item = u16> {
         std::iter::once(self.d_slot).chain(self.p_slot)
     }
+}
+
+/// Whether a request in flight is due to expire at `now_ms`, the oldest having started at
+/// `oldest_started`.
+fn inflight_due_at(oldest_started: Option<u64>, active: &ActivePolicy, now_ms: u64) -> bool {
+    let timeout = active.policy.config().limits.inflight_timeout_ms;
+    oldest_started.is_some_and(|t| now_ms.saturating_sub(t) > timeout)
 }
 
 /// Blocks of a precise prompt that `slot` already holds in a tier: they need no speculation, so
@@ -417,7 +428,7 @@ impl RouterCore {
         s: &mut DecideScratch,
     ) -> Result<Decision, RouteError> {
         self.maintain(active, now_ms);
-        let plan = self.plan(self.books.view(req), active, req, keys, now_ms, s);
+        let plan = self.plan(&self.kv.read(), self.books.view(req), active, req, keys, now_ms, s);
         self.commit(active, req, keys, plan, now_ms, s)
     }
 
@@ -429,32 +440,65 @@ impl RouterCore {
         self.kv.expire(now_ms);
     }
 
-    /// For the read phase: whether the index writes `w` would all change nothing.
-    fn writes_are_noops(&self, keys: &KeyBufs, f: &Features, w: &IndexWrites, s: &DecideScratch) -> bool {
-        w.slots().all(|slot| {
-            let approx =
-                !f.approx_valid || keys.approx.sequences().all(|seq| self.index.observe_is_noop(seq, slot as usize));
-            let precise = !f.precise_valid || {
+    /// For the read phase: whether the index writes `w` would all change nothing, in the
+    /// approximate index and in the precise one.
+    fn writes_are_noops(
+        &self,
+        kv: &KvIndex,
+        keys: &KeyBufs,
+        f: &Features,
+        w: &IndexWrites,
+        s: &DecideScratch,
+    ) -> (bool, bool) {
+        let approx = !f.approx_valid
+            || w.slots().all(|slot| keys.approx.sequences().all(|seq| self.index.observe_is_noop(seq, slot as usize)));
+        let precise = !f.precise_valid
+            || w.slots().all(|slot| {
                 let held = precise_held(keys, s, slot) as usize;
-                self.kv.speculation_is_noop(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms)
-            };
-            approx && precise
-        })
+                kv.speculation_is_noop(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms)
+            });
+        (approx, precise)
     }
 
     /// Whether [`RouterCore::maintain`] at `now_ms` would change what a decision reads (a request
-    /// in flight to expire, speculation to withdraw), with `books` (the core's, or a
-    /// [`Router`](crate::Router)'s). When it would not, the read phase can run without it (under
-    /// a shared lock) and the write phase maintains.
-    pub(crate) fn maintenance_due_in(&self, books: &Books, active: &ActivePolicy, now_ms: u64) -> bool {
-        self.maintenance_due_at(books.oldest_started(), active, now_ms)
+    /// in flight to expire, speculation to withdraw), with the oldest request in flight of the
+    /// books (the core's, or a [`Router`](crate::Router)'s) started at `oldest_started` (`None`:
+    /// nothing in flight) and the precise index as read (`kv`). When it would not, the read
+    /// phase can run without it (under a shared lock) and the write phase maintains.
+    pub(crate) fn maintenance_due_with(
+        &self,
+        kv: &KvIndex,
+        oldest_started: Option<u64>,
+        active: &ActivePolicy,
+        now_ms: u64,
+    ) -> bool {
+        inflight_due_at(oldest_started, active, now_ms) || kv.expiry_due(now_ms)
     }
 
-    /// [`RouterCore::maintenance_due_in`] with books whose oldest request in flight started at
-    /// `oldest_started` (`None`: nothing in flight).
-    pub(crate) fn maintenance_due_at(&self, oldest_started: Option<u64>, active: &ActivePolicy, now_ms: u64) -> bool {
-        let timeout = active.policy.config().limits.inflight_timeout_ms;
-        oldest_started.is_some_and(|t| now_ms.saturating_sub(t) > timeout) || self.kv.expiry_due(now_ms)
+    /// Withdraw the speculation due at `now_ms` beside lookups (the precise index's two copies,
+    /// under a [`Router`](crate::Router)'s shared lock); `false` when the index has one copy
+    /// (then it needs the exclusive lock).
+    pub(crate) fn expire_shared(&self, now_ms: u64) -> bool {
+        self.kv.write_shared(|kv| kv.expire(now_ms)).is_some()
+    }
+
+    /// Write the speculation of a decision [`RouterCore::commit_shared`] booked beside lookups
+    /// (see [`SharedBooking::speculate`]), as [`RouterCore::commit`] would have written it.
+    pub(crate) fn speculate_shared(
+        &self,
+        active: &ActivePolicy,
+        keys: &KeyBufs,
+        b: &SharedBooking,
+        s: &DecideScratch,
+        now_ms: u64,
+    ) {
+        let w = IndexWrites::new(active, b.pick.d, b.m.prefill, s, now_ms);
+        self.kv.write_shared(|kv| {
+            for slot in w.slots() {
+                let held = precise_held(keys, s, slot) as usize;
+                kv.speculate_from(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms);
+            }
+        });
     }
 
     /// The state's epoch: bumped by every change after which a [`Plan`] made before cannot be
@@ -467,8 +511,10 @@ impl RouterCore {
     /// nothing but `s`. Expects [`RouterCore::maintain`] at `now_ms` done (or not due). `books`
     /// is what it reads of the books, taken beforehand (`Books::view`: the core's, or a
     /// [`Router`](crate::Router)'s, which are not locked while it plans).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn plan(
         &self,
+        kv: &KvIndex,
         books: BooksView,
         active: &ActivePolicy,
         req: &RouteRequest,
@@ -476,7 +522,7 @@ impl RouterCore {
         now_ms: u64,
         s: &mut DecideScratch,
     ) -> Plan {
-        let f = self.features(books, active, req, keys, now_ms, s);
+        let f = self.features(kv, books, active, req, keys, now_ms, s);
         let outcome = match self.pick(active, req, keys, &f, s) {
             None => Planned::NoEndpoint,
             Some(pick) => {
@@ -494,9 +540,9 @@ impl RouterCore {
         };
         let quiet = match &outcome {
             Planned::Route(pick, m) => {
-                self.writes_are_noops(keys, &f, &IndexWrites::new(active, pick.d, m.prefill, s, now_ms), s)
+                self.writes_are_noops(kv, keys, &f, &IndexWrites::new(active, pick.d, m.prefill, s, now_ms), s)
             }
-            _ => false,
+            _ => (false, false),
         };
         Plan { epoch: self.epoch, f, outcome, writes: (self.index.writes(), self.kv.writes()), quiet }
     }
@@ -516,7 +562,7 @@ impl RouterCore {
         let plan = if plan.epoch == self.epoch && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster()) {
             plan
         } else {
-            self.plan(self.books.view(req), active, req, keys, now_ms, s)
+            self.plan(&self.kv.read(), self.books.view(req), active, req, keys, now_ms, s)
         };
         if keys.tokenize_failed {
             self.books.counters.tokenize_errors += 1;
@@ -524,7 +570,7 @@ impl RouterCore {
         self.books.draws = self.books.draws.wrapping_add(1);
         // Skip the index writes the read phase found to be no-ops, unless an index was written
         // since (by another thread's decision, events, or `maintain` above).
-        let quiet = plan.quiet && plan.writes == (self.index.writes(), self.kv.writes());
+        let quiet = plan.quiet == (true, true) && plan.writes == (self.index.writes(), self.kv.writes());
         let Plan { f, outcome, .. } = plan;
         let (pick, m) = match outcome {
             Planned::NoEndpoint => {
@@ -564,8 +610,10 @@ impl RouterCore {
     }
 
     /// Phase 2: expiry, index matches, session, and every endpoint's score breakdown.
+    #[allow(clippy::too_many_arguments)]
     fn features(
         &self,
+        kv: &KvIndex,
         books: BooksView,
         active: &ActivePolicy,
         req: &RouteRequest,
@@ -579,7 +627,7 @@ impl RouterCore {
         // A decision that began under a policy whose hashing differs from an index's neither
         // reads nor writes that index (see `reload`).
         let approx_valid = active.reads_approx() && self.index.fingerprint() == active.fingerprint;
-        let precise_valid = bufs.has_precise && self.kv.fingerprint() == active.precise_fingerprint;
+        let precise_valid = bufs.has_precise && kv.fingerprint() == active.precise_fingerprint;
         let weights = MatchWeights::new(&cfg.index.tier_weights);
         if approx_valid {
             self.index.match_blocks(keys, &weights, &mut s.matched, &mut s.scratch);
@@ -587,7 +635,7 @@ impl RouterCore {
             s.matched.clear();
         }
         if precise_valid {
-            self.kv.match_blocks(&bufs.precise, &weights, &mut s.pmatched, &mut s.scratch);
+            kv.match_blocks(&bufs.precise, &weights, &mut s.pmatched, &mut s.scratch);
         } else {
             s.pmatched.clear();
         }
@@ -640,7 +688,7 @@ impl RouterCore {
             let precise = match cfg.index.mode {
                 IndexMode::Approx => false,
                 IndexMode::Precise => true,
-                IndexMode::Hybrid => precise_valid && self.kv.healthy(i, now_ms),
+                IndexMode::Hybrid => precise_valid && kv.healthy(i, now_ms),
             };
             let (m, hit_per_block, block_tokens) = if precise {
                 (&*pmatched, precise_per_block, precise_block_tokens)
@@ -772,11 +820,14 @@ impl RouterCore {
 
     /// The write phase under a shared lock ([`Router`](crate::Router)'s decisions): applies
     /// `plan` exactly as [`RouterCore::commit`] would, when that changes nothing but the
-    /// endpoints' atomic loads and the books (requests in flight, ids, sessions, counters,
-    /// behind their own mutex): the plan is current (same epoch and roster, no index written
-    /// since), it routes, its index writes are no-ops, `maintain` at `now_ms` would change
-    /// nothing, and neither flow control nor replica publishing is on. Otherwise the plan comes
-    /// back for [`RouterCore::commit`] under the exclusive lock.
+    /// endpoints' atomic loads, the books (requests in flight, ids, sessions, counters, behind
+    /// their own mutex) and the precise index's speculation (written beside lookups into its
+    /// two copies by [`RouterCore::speculate_shared`] when [`SharedBooking::speculate`] says
+    /// so): the plan is current (same epoch and roster, no index written since through the
+    /// exclusive lock), it routes, its approximate-index writes are no-ops, no request in flight
+    /// is due to expire at `now_ms` (the caller withdrew the speculation due, see
+    /// [`RouterCore::expire_shared`]), and neither flow control nor replica publishing is on.
+    /// Otherwise the plan comes back for [`RouterCore::commit`] under the exclusive lock.
     // The plan goes back by value (no allocation on the way to the exclusive lock).
     #[allow(clippy::result_large_err, clippy::too_many_arguments)]
     pub(crate) fn commit_shared(
@@ -789,15 +840,20 @@ impl RouterCore {
         now_ms: u64,
         s: &DecideScratch,
     ) -> Result<SharedBooking, Plan> {
+        // Speculation is written beside lookups only into two copies.
+        let shared_kv = self.kv.copies() == 2;
+        let (approx_quiet, precise_quiet) = plan.quiet;
         let current = plan.epoch == self.epoch
             && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster())
-            && plan.quiet
+            && approx_quiet
+            && (precise_quiet || shared_kv)
             && plan.writes == (self.index.writes(), self.kv.writes());
         let cfg = active.policy.config();
         if !current
             || cfg.flow_control.enabled
             || self.replica.as_ref().is_some_and(|r| r.cfg.publish)
-            || self.maintenance_due_in(books, active, now_ms)
+            || inflight_due_at(books.oldest_started(), active, now_ms)
+            || (!shared_kv && self.kv.read().expiry_due(now_ms))
         {
             return Err(plan);
         }
@@ -816,7 +872,7 @@ impl RouterCore {
         }
         let request_id = books.ids.assign(&books.inflight, req);
         let booked = book(active, &self.endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s);
-        Ok(SharedBooking { request_id, f, pick, m, booked })
+        Ok(SharedBooking { request_id, f, pick, m, booked, speculate: !precise_quiet })
     }
 
     /// The decision of a request [`RouterCore::commit_shared`] booked, built after the books'
@@ -828,7 +884,7 @@ impl RouterCore {
         b: SharedBooking,
         now_ms: u64,
     ) -> Decision {
-        let SharedBooking { request_id, f, pick, m, booked } = b;
+        let SharedBooking { request_id, f, pick, m, booked, .. } = b;
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
         if !self.record_effects {
             d.effect = None;
@@ -850,7 +906,7 @@ impl RouterCore {
         if f.precise_valid {
             for slot in w.slots() {
                 let held = precise_held(keys, s, slot) as usize;
-                self.kv.write().speculate_from(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms);
+                self.kv.write(|kv| kv.speculate_from(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms));
             }
         }
     }

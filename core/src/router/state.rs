@@ -10,6 +10,7 @@ use serde::Serialize;
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 use super::inflight::{Inflight, InflightTable, RequestIds, SlotRef};
+use super::kv_cell::KvCell;
 use super::policy::ActivePolicy;
 use super::route::{DecideScratch, KeyBufs};
 use crate::config::Policy;
@@ -102,8 +103,9 @@ pub struct RouterCore {
     pub(super) endpoints: EndpointTable,
     /// The approximate index: read through `Deref`, changed through [`Versioned::write`].
     pub(super) index: Versioned<ApproxIndex>,
-    /// The precise index, likewise.
-    pub(super) kv: Versioned<KvIndex>,
+    /// The precise index: read through [`KvCell::read`], changed through [`KvCell::write`]
+    /// (counted likewise); two copies under a [`Router`](crate::Router) (see `kv_cell.rs`).
+    pub(super) kv: KvCell,
     /// Requests in flight, request ids, sessions, counters, the picker's draws and the latest
     /// time seen: what every decision and completion books. A [`Router`](crate::Router) keeps
     /// them beside the core, under a mutex of its own, so that decisions whose index writes are
@@ -168,17 +170,6 @@ impl<T> Versioned<T> {
     }
 }
 
-impl Versioned<KvIndex> {
-    /// [`KvIndex::expire`], counted as a write only when something is due: otherwise it only
-    /// moves the speculation queue's clock, which neither lookups nor the no-op checks read.
-    pub(super) fn expire(&mut self, now_ms: u64) {
-        if self.inner.expiry_due(now_ms) {
-            self.writes = self.writes.wrapping_add(1);
-        }
-        self.inner.expire(now_ms);
-    }
-}
-
 impl<T> std::ops::Deref for Versioned<T> {
     type Target = T;
 
@@ -203,7 +194,7 @@ impl RouterCore {
         RouterCore {
             endpoints: EndpointTable::default(),
             index: Versioned::new(ApproxIndex::new(active.fingerprint, active.capacity)),
-            kv: Versioned::new(KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity)),
+            kv: KvCell::new(KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity)),
             books: Books::new(cfg.limits.session_capacity),
             record_effects: false,
             replica: None,
@@ -247,12 +238,12 @@ impl RouterCore {
             self.index.write().set_capacity(new.capacity);
         }
         let cfg = new.policy.config();
-        if new.precise_fingerprint != self.kv.fingerprint() {
-            self.kv.write().reconfigure(cfg, new.precise_fingerprint);
+        if new.precise_fingerprint != self.kv.read().fingerprint() {
+            self.kv.write(|kv| kv.reconfigure(cfg, new.precise_fingerprint));
             self.books.counters.index_resets += 1;
         }
-        self.kv.write().set_speculative_ttl(cfg.index.speculative_ttl_ms);
-        self.kv.write().set_capacity(new.precise_capacity, cfg.index.precise.key_map_capacity);
+        self.kv.write(|kv| kv.set_speculative_ttl(cfg.index.speculative_ttl_ms));
+        self.kv.write(|kv| kv.set_capacity(new.precise_capacity, cfg.index.precise.key_map_capacity));
         self.bound_inflight(cfg.limits.max_inflight_requests);
         self.books.sessions.resize(nz(cfg.limits.session_capacity));
         self.books.counters.reloads += 1;
@@ -290,9 +281,12 @@ impl RouterCore {
             return Err(StateError::TooManyEndpoints { limit });
         }
         let RouterCore { endpoints, index, kv, .. } = self;
-        let slot = endpoints.insert(&spec, |s| index.slot_reusable(s) && kv.slot_reusable(s));
+        let slot = {
+            let kv = kv.read();
+            endpoints.insert(&spec, |s| index.slot_reusable(s) && kv.slot_reusable(s))
+        };
         index.write().activate(slot as usize);
-        kv.write().activate(slot as usize);
+        kv.write(|kv| kv.activate(slot as usize));
         Ok(())
     }
 
@@ -302,7 +296,7 @@ impl RouterCore {
         let slot = self.endpoints.remove(id).ok_or_else(|| unknown(id))?;
         self.bump_epoch();
         self.index.write().retire(slot as usize);
-        self.kv.write().retire(slot as usize);
+        self.kv.write(|kv| kv.retire(slot as usize));
         Ok(())
     }
 
@@ -341,6 +335,7 @@ impl RouterCore {
 
     /// Every endpoint, in id order.
     pub fn endpoints(&self) -> Vec<EndpointInfo> {
+        let kv = self.kv.read();
         self.endpoints
             .order()
             .iter()
@@ -352,8 +347,8 @@ impl RouterCore {
                 metrics: e.metrics.clone(),
                 inflight: e.load.inflight(),
                 index_memberships: self.index.memberships_of(s as usize),
-                precise_memberships: self.kv.blocks().memberships_of(s as usize),
-                events_healthy: self.kv.healthy(s as usize, self.books.last_now_ms),
+                precise_memberships: kv.blocks().memberships_of(s as usize),
+                events_healthy: kv.healthy(s as usize, self.books.last_now_ms),
             })
             .collect()
     }
@@ -380,7 +375,7 @@ impl RouterCore {
             endpoints: self.endpoints.len(),
             inflight_requests,
             index: self.index.stats(),
-            precise: self.kv.stats(),
+            precise: PreciseStats { copies: self.kv.copies(), ..self.kv.read().stats() },
             counters,
             flow: self.flow.stats(self.active.policy.config().flow_control.enabled),
         }
@@ -432,15 +427,35 @@ impl RouterCore {
     ) -> Result<ApplyOutcome, StateError> {
         let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
         self.books.last_now_ms = self.books.last_now_ms.max(now_ms);
-        let kv = self.kv.write();
-        kv.expire(now_ms);
-        Ok(kv.apply_at(slot as usize, batch, seq, now_ms))
+        Ok(self.kv.write(|kv| {
+            kv.expire(now_ms);
+            kv.apply_at(slot as usize, batch, seq, now_ms)
+        }))
+    }
+
+    /// [`RouterCore::apply_batch`] under a shared lock ([`Router`](crate::Router)'s event
+    /// application, beside decisions: see [`KvCell::write_shared`]), leaving the books' latest
+    /// time to the caller; `None` when the index has one copy (then it needs the exclusive lock).
+    pub(super) fn apply_batch_shared(
+        &self,
+        endpoint: &str,
+        batch: &EventBatch,
+        seq: Option<u64>,
+        now_ms: u64,
+    ) -> Option<Result<ApplyOutcome, StateError>> {
+        let Some(slot) = self.endpoints.slot_of(endpoint) else { return Some(Err(unknown(endpoint))) };
+        self.kv
+            .write_shared(|kv| {
+                kv.expire(now_ms);
+                kv.apply_at(slot as usize, batch, seq, now_ms)
+            })
+            .map(Ok)
     }
 
     /// Count a replay attempt of `endpoint`'s event subscriber (for `metrics_text`).
     pub fn record_replay(&mut self, endpoint: &str, ok: bool) -> Result<(), StateError> {
         self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
-        self.kv.write().record_replay(ok);
+        self.kv.write(|kv| kv.record_replay(ok));
         Ok(())
     }
 
@@ -449,7 +464,7 @@ impl RouterCore {
     pub fn resync_stream(&mut self, endpoint: &str, now_ms: u64) -> Result<(), StateError> {
         let recovery = self.active.policy.config().index.precise.stale_recovery_ms;
         let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
-        self.kv.write().resync(slot as usize, now_ms, recovery);
+        self.kv.write(|kv| kv.resync(slot as usize, now_ms, recovery));
         Ok(())
     }
 

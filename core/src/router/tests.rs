@@ -151,7 +151,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     let inflight = |c: &RouterCore, id: &str| c.endpoints().iter().find(|e| *e.id == *id).map_or(0, |e| e.inflight);
 
     // Health changes between the phases: the write phase plans again and avoids `warm`.
-    let plan = core.plan(core.books.view(&req), &active, &req, &keys, 1, &mut s);
+    let plan = core.plan(&core.kv.read(), core.books.view(&req), &active, &req, &keys, 1, &mut s);
     core.set_healthy(&warm, false).unwrap();
     let d = core.commit(&active, &req, &keys, plan, 1, &mut s).unwrap();
     assert_eq!(d.endpoint(), Some(other));
@@ -161,7 +161,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 
     // The endpoint planned for is removed between the phases: planned again, nothing is
     // counted on the removed endpoint.
-    let plan = core.plan(core.books.view(&req), &active, &req, &keys, 2, &mut s);
+    let plan = core.plan(&core.kv.read(), core.books.view(&req), &active, &req, &keys, 2, &mut s);
     core.remove_endpoint(&warm).unwrap();
     let d = core.commit(&active, &req, &keys, plan, 2, &mut s).unwrap();
     assert_eq!(d.endpoint(), Some(other));
@@ -169,7 +169,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     core.upsert_endpoint(EndpointSpec::new(warm.as_str(), Role::Decode)).unwrap();
 
     // A metrics update between the phases does not move the epoch: the plan stands.
-    let plan = core.plan(core.books.view(&req), &active, &req, &keys, 3, &mut s);
+    let plan = core.plan(&core.kv.read(), core.books.view(&req), &active, &req, &keys, 3, &mut s);
     let planned = plan.target().expect("the request is routed");
     let busy = MetricsSnapshot { waiting: 50, kv_usage: 0.79, updated_ms: 3, ..Default::default() };
     let planned_id = core.endpoints.roster()[planned].to_string();
@@ -216,7 +216,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     let routed = books.counters.routed;
 
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
-    let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
     let Ok(shared) = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s) else { panic!("not booked") };
     let shared = core.finish_shared(&active, &keys, shared, 5);
     assert_eq!(shared.endpoint(), d.endpoint());
@@ -243,25 +243,25 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     assert_eq!((load(&core), books.inflight.len()), (released, 0));
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
-    let plan = core.plan(books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
+    let plan = core.plan(&core.kv.read(), books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
     // Later in time, with nothing due: still booked under `&self`; the speculation's clock moves.
-    let plan = core.plan(books.view(&req), &active, &req, &keys, 6, &mut s);
+    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 6, &mut s);
     let Ok(later) = core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s) else { panic!("not booked") };
     let later = core.finish_shared(&active, &keys, later, 6);
-    assert_eq!((books.last_now_ms, core.kv.speculation_now()), (6, Some(6)));
+    assert_eq!((books.last_now_ms, core.kv.read().speculation_now()), (6, Some(6)));
     complete_shared(&core, &mut books, &later.request_id);
     // Once a request in flight has timed out, maintenance is due: the exclusive lock.
     let timeout = active.policy.config().limits.inflight_timeout_ms;
-    let plan = core.plan(books.view(&req), &active, &req, &keys, 7, &mut s);
+    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 7, &mut s);
     let Ok(old) = core.commit_shared(&mut books, &active, &req, &keys, plan, 7, &s) else { panic!("not booked") };
     let old = core.finish_shared(&active, &keys, old, 7);
     let late = 8 + timeout;
-    let plan = core.plan(books.view(&req), &active, &req, &keys, late, &mut s);
+    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, late, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, late, &s).is_err());
     complete_shared(&core, &mut books, &old.request_id);
     // An index written between the phases: the plan's no-op verdict no longer holds.
-    let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
     // Flow control routes under the exclusive lock.
@@ -269,34 +269,8 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
     std::mem::swap(&mut core.books, &mut books);
     let active = core.policy().clone();
-    let plan = core.plan(books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
-}
-
-#[test]
-fn decisions_under_way_are_summed_over_every_stripe() {
-    let r = router();
-    assert_eq!(r.decisions(Ordering::SeqCst), (0, 0));
-    // This thread's guards count on its stripe.
-    let (a, b) = (r.deciding(), r.deciding());
-    assert_eq!(r.decisions(Ordering::SeqCst), (2, 0));
-    drop(a);
-    assert_eq!(r.decisions(Ordering::SeqCst), (1, 1));
-    drop(b);
-    assert_eq!(r.decisions(Ordering::SeqCst), (0, 2));
-    // Other threads' stripes (written here as their guards would), finished counts wrapping
-    // at 2^32 on their own: the sum is exact mod 2^32.
-    let mine = STRIPE.with(|s| *s);
-    let (x, y) = ((mine + 1) % DECIDING_STRIPES, (mine + 5) % DECIDING_STRIPES);
-    r.deciding[x].0.store((u64::from(u32::MAX) << 32) | 3, Ordering::SeqCst);
-    r.deciding[y].0.store((7 << 32) | 1, Ordering::SeqCst);
-    assert_eq!(r.decisions(Ordering::SeqCst), (4, 2u32.wrapping_add(u32::MAX).wrapping_add(7)));
-    let (_, before) = r.decisions(Ordering::SeqCst);
-    // One of x's decisions finishes: its finished count wraps to 0, the sum moves by one.
-    r.deciding[x].0.fetch_add(DECIDED - 1, Ordering::SeqCst);
-    let (under_way, after) = r.decisions(Ordering::SeqCst);
-    assert_eq!((under_way, after.wrapping_sub(before)), (3, 1));
-    assert_eq!(r.deciding[x].0.load(Ordering::SeqCst), 2);
 }
 
 #[test]
@@ -338,4 +312,197 @@ fn the_books_publish_what_a_sessionless_read_phase_reads() {
     assert!(matches!(r.complete(&third.request_id), Err(StateError::UnknownRequest { .. })));
     r.complete(&late.request_id).unwrap();
     assert_eq!(published(&r), None);
+}
+
+/// The two copies of a router's precise index (`kv_cell.rs`), and a core fed the same calls.
+mod precise_copies {
+    use super::*;
+    use crate::index::{MatchScratch, MatchWeights, PrefixMatch};
+    use crate::precise::events::{BlockRemoved, BlockStored, KvEvent, Medium};
+    use crate::{Prompt, RequestKeys};
+
+    const POLICY: &str = r#"{"index":{"mode":"precise"},"metrics":{"staleness_ms":1000000000000}}"#;
+    const BLOCK: usize = 16;
+    const ENDPOINTS: usize = 4;
+
+    fn splitmix(mut x: u64) -> u64 {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    }
+
+    fn id(e: usize) -> String {
+        format!("10.0.0.{}:8000", e + 1)
+    }
+
+    /// Conversation `c`'s prompt: one of 3 shared system prompts (128 tokens), then its own 384.
+    fn prompt(c: u64) -> Vec<u32> {
+        let sys = c % 3;
+        (0..128u64)
+            .map(|i| (splitmix(sys << 32 | i) % 50_000) as u32)
+            .chain((0..384u64).map(|i| (splitmix(0xc0 << 40 | c << 16 | i) % 50_000) as u32))
+            .collect()
+    }
+
+    /// Engine hash of block `i` of conversation `c` on endpoint `e`.
+    fn engine_hash(e: usize, c: u64, i: usize) -> u64 {
+        splitmix((e as u64) << 56 ^ c << 20 ^ i as u64)
+    }
+
+    /// A seeded stream of event batches: stores of conversations' prompts (in two parts, the
+    /// second chained to the first), evictions of their tails and, rarely, a cleared endpoint.
+    fn batches(seed: u64, n: usize) -> Vec<(usize, EventBatch)> {
+        let mut out = Vec::with_capacity(n);
+        for k in 0..n as u64 {
+            let r = splitmix(seed ^ k);
+            let e = (r % ENDPOINTS as u64) as usize;
+            let c = (r >> 8) % 24;
+            let toks = prompt(c);
+            let event = match (r >> 16) % 16 {
+                0..=8 => {
+                    // The first 16 blocks, as a new chain.
+                    KvEvent::BlockStored(BlockStored {
+                        block_hashes: (0..16).map(|i| engine_hash(e, c, i)).collect(),
+                        parent_block_hash: None,
+                        token_ids: toks[..16 * BLOCK].to_vec(),
+                        block_size: BLOCK as u32,
+                        medium: Medium::Gpu,
+                        ..Default::default()
+                    })
+                }
+                9..=12 => KvEvent::BlockStored(BlockStored {
+                    block_hashes: (16..32).map(|i| engine_hash(e, c, i)).collect(),
+                    parent_block_hash: Some(engine_hash(e, c, 15)),
+                    token_ids: toks[16 * BLOCK..].to_vec(),
+                    block_size: BLOCK as u32,
+                    medium: Medium::Gpu,
+                    ..Default::default()
+                }),
+                13..=14 => KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: (8..32).map(|i| engine_hash(e, c, i)).collect(),
+                    medium: Medium::Gpu,
+                    ..Default::default()
+                }),
+                _ => KvEvent::AllBlocksCleared,
+            };
+            out.push((e, EventBatch { ts: k as f64, events: vec![event], data_parallel_rank: None }));
+        }
+        out
+    }
+
+    fn request(c: u64, turn: u64) -> RouteRequest {
+        let mut p = prompt(c);
+        p.extend((0..64u64).map(|i| (splitmix(turn << 32 | i) % 50_000) as u32));
+        let mut req = RouteRequest::text("m", "");
+        req.prompts = vec![Prompt::Tokens(p)];
+        req.max_tokens = Some(64);
+        req
+    }
+
+    fn add_endpoints(r: &Router) {
+        for e in 0..ENDPOINTS {
+            r.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+        }
+    }
+
+    /// Every copy's stats, per-slot memberships and matches of every conversation's prompt.
+    fn copies_of(r: &Router) -> Vec<String> {
+        let core = r.read();
+        let active = core.policy().clone();
+        let weights = MatchWeights::new(&active.policy.config().index.tier_weights);
+        core.kv.each_copy(|kv| {
+            let mut out = format!("{:?}\n", kv.stats());
+            for s in 0..ENDPOINTS {
+                out += &format!("slot {s}: {} memberships\n", kv.blocks().memberships_of(s));
+            }
+            for c in 0..24 {
+                let (mut keys, mut scratch, mut m, mut ms) =
+                    (RequestKeys::default(), Vec::new(), PrefixMatch::default(), MatchScratch::default());
+                assert!(active.precise_keys.request_keys(&request(c, 0), &mut keys, &mut scratch));
+                kv.match_blocks(&keys, &weights, &mut m, &mut ms);
+                out += &format!("{c}: {:?}\n", m.slots());
+            }
+            out
+        })
+    }
+
+    /// A decision that brings new blocks to the precise index books under the shared lock when
+    /// the index has two copies, and its speculation reaches both; with one copy it goes back
+    /// for the exclusive lock.
+    #[test]
+    fn new_precise_blocks_are_speculated_beside_lookups() {
+        use super::super::state::Books;
+        let req = request(5, 1);
+        for two in [false, true] {
+            let mut core = RouterCore::from_json(POLICY).unwrap();
+            for e in 0..ENDPOINTS {
+                core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+            }
+            if two {
+                core.kv = core.kv.into_shared();
+            }
+            let active = core.policy().clone();
+            let mut keys = KeyBufs::default();
+            #[cfg(feature = "tokenizer")]
+            prepare_keys(&active, None, &req, &mut keys, 5);
+            #[cfg(not(feature = "tokenizer"))]
+            prepare_keys(&active, &req, &mut keys, 5);
+            let mut s = DecideScratch::default();
+            let mut books = std::mem::replace(&mut core.books, Books::new(1));
+            let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
+            let booking = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s);
+            if !two {
+                assert!(booking.is_err(), "one copy: speculation needs the exclusive lock");
+                continue;
+            }
+            let Ok(b) = booking else { panic!("not booked beside lookups") };
+            assert!(b.speculate, "the prompt's blocks are new");
+            assert_eq!(core.kv.each_copy(|kv| kv.stats().speculative_blocks), vec![0, 0]);
+            core.speculate_shared(&active, &keys, &b, &s, 5);
+            let d = core.finish_shared(&active, &keys, b, 5);
+            let spec = core.kv.each_copy(|kv| kv.stats().speculative_blocks);
+            assert!(spec[0] > 0 && spec[0] == spec[1], "both copies speculate the prompt: {spec:?}");
+            assert_eq!(books.inflight.len(), 1, "{}", d.request_id);
+        }
+    }
+
+    /// One thread: a router (events beside decisions, on two copies) and a core (one copy)
+    /// given the same calls decide alike, and the router's copies agree.
+    #[test]
+    fn a_router_with_two_copies_decides_as_a_core() {
+        let router = Router::from_json(POLICY).unwrap();
+        let mut core = RouterCore::from_json(POLICY).unwrap();
+        add_endpoints(&router);
+        for e in 0..ENDPOINTS {
+            core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+        }
+        let events = batches(7, 600);
+        let mut open = Vec::new();
+        for (k, (e, b)) in events.iter().enumerate() {
+            let now = 1_000 + 3 * k as u64;
+            let a = router.apply_batch(&id(*e), b, None, now).unwrap();
+            assert_eq!(a, core.apply_batch(&id(*e), b, None, now).unwrap(), "batch {k}");
+            if k % 2 == 0 {
+                let req = request((k as u64 / 2) % 24, k as u64 % 5);
+                let (x, y) = (router.route(&req, now + 1).unwrap(), core.route(&req, now + 1).unwrap());
+                assert_eq!(x.to_json(), y.to_json(), "decision after batch {k}");
+                open.push(x.request_id);
+            }
+            if k % 3 == 0 && !open.is_empty() {
+                let done = open.remove(0);
+                router.complete(&done).unwrap();
+                core.complete(&done).unwrap();
+            }
+        }
+        let copies = copies_of(&router);
+        assert_eq!(copies.len(), 2);
+        assert_eq!(copies[0], copies[1], "the router's copies agree");
+        let core_copy = core.kv.each_copy(|kv| format!("{:?}", kv.stats()));
+        assert!(copies[0].starts_with(&core_copy[0]), "the router's copies are the core's index");
+        // The workload reached every kind of event, and decisions that wrote speculation.
+        let st = router.stats().precise;
+        assert!(st.blocks_stored > 0 && st.blocks_removed > 0 && st.orphan_blocks > 0, "{st:?}");
+        assert_eq!(st.copies, 2);
+    }
 }
