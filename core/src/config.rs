@@ -180,6 +180,13 @@ pub struct PreciseConfig {
     /// After an unrecoverable gap, how long an endpoint is treated as stale (hybrid mode routes
     /// it with the approximate index meanwhile), milliseconds.
     pub stale_recovery_ms: u64,
+    /// Under a [`Router`](crate::Router) (shared by threads), keep the index in two copies:
+    /// lookups read one while events, speculation and expiry are written into the other, so
+    /// that applying events never holds up a lookup, at twice the index's memory (each copy
+    /// within `capacity_bytes_per_endpoint`) and each write made twice. `false`: one copy,
+    /// written under the router's exclusive lock. A `RouterCore` on its own always keeps one.
+    /// Changes take effect at the reload, without losing the index.
+    pub two_copies: bool,
 }
 
 impl PreciseConfig {
@@ -204,6 +211,7 @@ impl Default for PreciseConfig {
             capacity_bytes_per_endpoint: 4 << 20,
             key_map_capacity: 262_144,
             stale_recovery_ms: 30_000,
+            two_copies: true,
         }
     }
 }

@@ -382,3 +382,38 @@ fn the_precise_copies_agree_after_events_beside_decisions() {
     assert_eq!((a.precise.batches, a.counters.routed, a.inflight_requests), (601, 600, 0));
     assert!(a.precise.index.memberships > 0 && a.precise.speculative_requests > 0, "{:?}", a.precise);
 }
+
+/// `index.precise.two_copies`: a router keeps one copy when it is off, and a reload switching it
+/// either way keeps the index (the second copy is a twin of the first, or dropped).
+#[test]
+fn two_copies_follow_the_policy_across_reloads() {
+    const ONE: &str =
+        r#"{"index":{"mode":"precise","precise":{"two_copies":false}},"metrics":{"staleness_ms":1000000000000}}"#;
+    const TWO: &str = r#"{"index":{"mode":"precise"},"metrics":{"staleness_ms":1000000000000}}"#;
+    let router = setup_router(ONE);
+    let mut core = setup_core(ONE);
+    for i in 0..20u64 {
+        let e = id((i % ENDPOINTS as u64) as usize);
+        assert_eq!(
+            router.apply_batch(&e, &stored(i), None, 1_000 + i).unwrap(),
+            core.apply_batch(&e, &stored(i), None, 1_000 + i).unwrap()
+        );
+    }
+    let one = router.stats();
+    assert_eq!(one.precise.copies, 1, "one copy when the policy says so");
+    assert_eq!(one, core.stats());
+    router.reload_str(TWO).unwrap();
+    let (a, b) = stats_of_both_copies(&router);
+    assert_eq!(a, b, "the second copy is a twin of the first");
+    assert_eq!((a.precise.copies, a.precise.index), (2, one.precise.index), "the index is kept");
+    for i in 0..40u64 {
+        let d = router.route_http(body(i).as_bytes(), headers(i), 1_300 + i).unwrap();
+        router.complete(&d.request_id).unwrap();
+    }
+    let (a, b) = stats_of_both_copies(&router);
+    assert_eq!(a, b);
+    router.reload_str(ONE).unwrap();
+    let back = router.stats();
+    assert_eq!(back.precise.copies, 1);
+    assert_eq!(back.precise.index, a.precise.index, "the index is kept");
+}

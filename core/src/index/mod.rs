@@ -14,3 +14,10 @@ pub use prefix::{
     ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, SlotMatch, GENERATIONS,
     MAX_SLOTS,
 };
+
+/// A copy of `v` with the same capacity (a twin index reports, and grows, as the original).
+pub(crate) fn clone_with_capacity<T: Clone>(v: &Vec<T>) -> Vec<T> {
+    let mut out = Vec::with_capacity(v.capacity());
+    out.extend_from_slice(v);
+    out
+}

@@ -301,7 +301,6 @@ const DUP_ENTRY_BYTES: usize = 48;
 /// holders beyond the first cost 4 bytes each in a chunk shared by the blocks with the same
 /// holders; an outstanding duplicate store on an offload tier costs one side-table entry (about
 /// 48 bytes). See `memory_bytes` and the `index_memory` test for measured bytes per membership.
-#[derive(Clone)]
 pub struct PrefixIndex {
     store: BlockStore,
     dups: DupCounts,
@@ -1420,6 +1419,28 @@ impl PrefixIndex {
             + self.slots.capacity() * std::mem::size_of::<SlotState>()
             + self.dups.len() * DUP_ENTRY_BYTES;
         IndexStats { memberships, keys: self.store.len() as u64, memory_bytes: memory as u64 }
+    }
+
+    /// A copy with the same contents and capacities, so that it reports the same memory and
+    /// grows at the same points (the second copy a `Router` keeps of the precise index).
+    pub(crate) fn twin(&self) -> Self {
+        use super::clone_with_capacity as copy;
+        PrefixIndex {
+            store: self.store.twin(),
+            dups: self.dups.clone(),
+            slots: copy(&self.slots),
+            fingerprint: self.fingerprint,
+            cap: self.cap,
+            cursor: self.cursor,
+            sweep_debt: self.sweep_debt,
+            dead_pending: self.dead_pending,
+            passes: self.passes,
+            live_total: self.live_total,
+            spec_total: self.spec_total,
+            active_slots: self.active_slots,
+            positions: copy(&self.positions),
+            gens: copy(&self.gens),
+        }
     }
 
     /// Completed sweep passes (diagnostics and tests).

@@ -152,7 +152,6 @@ fn reserve_stepped<T>(v: &mut Vec<T>, extra: usize) {
 }
 
 /// Blocks, their keys and their shared holder sets.
-#[derive(Clone)]
 pub(crate) struct BlockStore {
     buckets: Vec<u32>,
     /// Low bits of a bucket holding `pos + 1`; the high `32 - pos_bits` hold a tag of the key
@@ -181,6 +180,21 @@ impl BlockStore {
             chunks: vec![0, 1, 0, 0],
             free: [NONE; CLASSES],
             build: Vec::new(),
+        }
+    }
+
+    /// A copy with the same capacities (see `PrefixIndex::twin`).
+    pub(crate) fn twin(&self) -> Self {
+        use super::clone_with_capacity as copy;
+        BlockStore {
+            buckets: copy(&self.buckets),
+            pos_bits: self.pos_bits,
+            len: self.len,
+            keys: copy(&self.keys),
+            heads: copy(&self.heads),
+            chunks: copy(&self.chunks),
+            free: self.free,
+            build: copy(&self.build),
         }
     }
 

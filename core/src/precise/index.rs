@@ -322,15 +322,15 @@ impl KvIndex {
     /// same order keep them equal.
     pub(crate) fn twin(&self) -> KvIndex {
         KvIndex {
-            blocks: self.blocks.clone(),
+            blocks: self.blocks.twin(),
             scheme: self.scheme,
             hashing: self.hashing,
             engine_block_tokens: self.engine_block_tokens,
-            maps: self.maps.clone(),
+            maps: crate::index::clone_with_capacity(&self.maps),
             map_capacity: self.map_capacity,
             speculation: self.speculation.twin(),
-            epochs: self.epochs.clone(),
-            streams: self.streams.clone(),
+            epochs: crate::index::clone_with_capacity(&self.epochs),
+            streams: crate::index::clone_with_capacity(&self.streams),
             stats: self.stats,
             scratch_keys: Vec::new(),
             scratch_bytes: Vec::new(),

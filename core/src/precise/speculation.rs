@@ -108,7 +108,16 @@ impl SpecQueue {
     /// A copy of the queue that shares its clock (see `now_ms`).
     pub(crate) fn twin(&self) -> Self {
         SpecQueue {
-            buckets: self.buckets.clone(),
+            // Each bucket with its capacity: `cap_records` sums them.
+            buckets: {
+                let mut b = Vec::with_capacity(self.buckets.capacity());
+                b.extend(self.buckets.iter().map(|d| {
+                    let mut c = VecDeque::with_capacity(d.capacity());
+                    c.extend(d.iter().cloned());
+                    c
+                }));
+                b
+            },
             lo: self.lo,
             hi: self.hi,
             len: self.len,

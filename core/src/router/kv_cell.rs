@@ -25,6 +25,8 @@ use crate::precise::KvIndex;
 /// (see `Versioned` in `state.rs`).
 pub(crate) struct KvCell {
     copies: Copies,
+    /// Two copies may be kept (a `Router` holds the core): see [`KvCell::keep_copies`].
+    sharable: bool,
     /// Write accesses through `&mut` (decisions, maintenance, endpoint and policy changes);
     /// events applied beside decisions ([`KvCell::write_shared`]) are not counted (see there).
     writes: u64,
@@ -67,12 +69,28 @@ impl std::ops::Deref for KvRead<'_> {
 
 impl KvCell {
     pub(crate) fn new(index: KvIndex) -> Self {
-        KvCell { copies: Copies::One(index), writes: 0 }
+        KvCell { copies: Copies::One(index), sharable: false, writes: 0 }
     }
 
-    /// The cell keeping two copies (for a `Router` taking the core).
-    pub(crate) fn into_shared(self) -> Self {
-        let copies = match self.copies {
+    /// The cell of a `Router`'s core: two copies when `two` (`index.precise.two_copies`), and
+    /// from now on as [`KvCell::keep_copies`] says at every reload.
+    pub(crate) fn into_shared(mut self, two: bool) -> Self {
+        self.sharable = true;
+        self.keep_copies(two);
+        self
+    }
+
+    /// Keep two copies or one (`index.precise.two_copies`; only in a `Router`'s core: a core on
+    /// its own keeps one). Going to two copies makes the second a twin of the first; going to
+    /// one drops the second.
+    pub(crate) fn keep_copies(&mut self, two: bool) {
+        let two = two && self.sharable;
+        if two == matches!(self.copies, Copies::Two(_)) {
+            return;
+        }
+        // A cheap empty index stands in while the copies move.
+        let placeholder = Copies::One(KvIndex::new(&crate::config::PolicyConfig::default(), 0, 1));
+        self.copies = match std::mem::replace(&mut self.copies, placeholder) {
             Copies::One(a) => {
                 let b = a.twin();
                 let clock = a.speculation_clock();
@@ -83,9 +101,11 @@ impl KvCell {
                     clock,
                 }))
             }
-            two @ Copies::Two(_) => two,
+            Copies::Two(p) => {
+                let [a, _] = p.copies;
+                Copies::One(a.into_inner().unwrap_or_else(PoisonError::into_inner))
+            }
         };
-        KvCell { copies, writes: self.writes }
     }
 
     /// Copies held (1 or 2).

@@ -240,8 +240,10 @@ impl std::ops::DerefMut for CoreMut<'_> {
 impl From<RouterCore> for Router {
     fn from(mut core: RouterCore) -> Router {
         let books = std::mem::replace(&mut core.books, Books::new(1));
-        // Two copies of the precise index: events are written beside lookups (`kv_cell.rs`).
-        core.kv = core.kv.into_shared();
+        // Two copies of the precise index (`index.precise.two_copies`): events are written
+        // beside lookups (`kv_cell.rs`).
+        let two = core.policy().policy.config().index.precise.two_copies;
+        core.kv = core.kv.into_shared(two);
         Router {
             policy: ArcSwap::new(core.policy().clone()),
             core: RwLock::new(core),

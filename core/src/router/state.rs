@@ -244,6 +244,7 @@ impl RouterCore {
         }
         self.kv.write(|kv| kv.set_speculative_ttl(cfg.index.speculative_ttl_ms));
         self.kv.write(|kv| kv.set_capacity(new.precise_capacity, cfg.index.precise.key_map_capacity));
+        self.kv.keep_copies(cfg.index.precise.two_copies);
         self.bound_inflight(cfg.limits.max_inflight_requests);
         self.books.sessions.resize(nz(cfg.limits.session_capacity));
         self.books.counters.reloads += 1;

@@ -440,7 +440,7 @@ mod precise_copies {
                 core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
             }
             if two {
-                core.kv = core.kv.into_shared();
+                core.kv = core.kv.into_shared(true);
             }
             let active = core.policy().clone();
             let mut keys = KeyBufs::default();
