@@ -695,6 +695,11 @@ impl KvIndex {
         self.speculation.observe(now_ms);
     }
 
+    /// Whether any speculation is held (then its expiry may come due).
+    pub(crate) fn has_speculation(&self) -> bool {
+        self.speculation.len() > 0
+    }
+
     /// The speculation's clock (shared with the index's twin), for
     /// [`observe_clock`](KvIndex::observe_clock) without the index.
     pub(crate) fn speculation_clock(&self) -> crate::precise::speculation::SpecClock {

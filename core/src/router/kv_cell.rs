@@ -15,7 +15,7 @@
 //! Like `router/mod.rs`, this file is allowed synchronization by `scripts/check-sans-io.sh`:
 //! it is the one synchronized part `RouterCore` holds, and only a `Router` turns it on.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard};
 
 use crate::precise::speculation::SpecClock;
@@ -48,6 +48,17 @@ struct Pair {
     writer: Mutex<()>,
     /// The speculation's clock, which both copies share.
     clock: SpecClock,
+    /// Whether the copies hold speculation (set after every write): a decision that does not
+    /// read the index takes no guard on it unless speculation may come due.
+    speculating: AtomicBool,
+}
+
+impl Pair {
+    fn note_speculation(&self, s: bool) {
+        if self.speculating.load(Ordering::Relaxed) != s {
+            self.speculating.store(s, Ordering::Relaxed);
+        }
+    }
 }
 
 /// The index as read: the copy itself, or a read guard on the published copy.
@@ -94,11 +105,13 @@ impl KvCell {
             Copies::One(a) => {
                 let b = a.twin();
                 let clock = a.speculation_clock();
+                let speculating = AtomicBool::new(a.has_speculation());
                 Copies::Two(Box::new(Pair {
                     copies: [RwLock::new(a), RwLock::new(b)],
                     published: AtomicUsize::new(0),
                     writer: Mutex::new(()),
                     clock,
+                    speculating,
                 }))
             }
             Copies::Two(p) => {
@@ -113,6 +126,16 @@ impl KvCell {
         match self.copies {
             Copies::One(_) => 1,
             Copies::Two(_) => 2,
+        }
+    }
+
+    /// Whether the index may hold speculation (always `true` with one copy, which is read
+    /// without locking): a decision that does not read the index needs no guard on it
+    /// otherwise, as no speculation can come due.
+    pub(crate) fn may_speculate(&self) -> bool {
+        match &self.copies {
+            Copies::One(_) => true,
+            Copies::Two(p) => p.speculating.load(Ordering::Relaxed),
         }
     }
 
@@ -166,7 +189,10 @@ impl KvCell {
             Copies::Two(p) => {
                 let [a, b] = &mut p.copies;
                 let r = f(a.get_mut().unwrap_or_else(PoisonError::into_inner));
-                f(b.get_mut().unwrap_or_else(PoisonError::into_inner));
+                let b = b.get_mut().unwrap_or_else(PoisonError::into_inner);
+                f(b);
+                let s = b.has_speculation();
+                p.note_speculation(s);
                 r
             }
         }
@@ -202,7 +228,9 @@ impl KvCell {
         let new = 1 - old;
         let r = f(&mut p.copies[new].write().unwrap_or_else(PoisonError::into_inner));
         p.published.store(new, Ordering::Release);
-        f(&mut p.copies[old].write().unwrap_or_else(PoisonError::into_inner));
+        let mut second = p.copies[old].write().unwrap_or_else(PoisonError::into_inner);
+        f(&mut second);
+        p.note_speculation(second.has_speculation());
         Some(r)
     }
 }

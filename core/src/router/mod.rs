@@ -675,30 +675,30 @@ impl Router {
             let core = self.read();
             // One copy of the precise index for the whole read phase (see `kv_cell.rs`). The
             // speculation due at `now_ms` is withdrawn first, beside lookups.
-            let mut kv = core.kv.read();
-            if kv.expiry_due(now_ms) {
+            let mut kv = core.kv_to_read(keys);
+            if kv.as_ref().is_some_and(|kv| kv.expiry_due(now_ms)) {
                 drop(kv);
                 core.expire_shared(now_ms);
-                kv = core.kv.read();
+                kv = Some(core.kv.read());
             }
             // A request without a session reads what the books published at their last
             // unlock; one with a session reads its affinity from them, under their lock.
             let view = match session_key(req) {
                 None => {
                     let (draws, oldest_started) = self.books.published();
-                    (!core.maintenance_due_with(&kv, oldest_started, active, now_ms))
+                    (!core.maintenance_due_with(kv.as_deref(), oldest_started, active, now_ms))
                         .then(|| BooksView::sessionless(draws))
                 }
                 key => {
                     let books = self.books();
-                    (!core.maintenance_due_with(&kv, books.oldest_started(), active, now_ms))
+                    (!core.maintenance_due_with(kv.as_deref(), books.oldest_started(), active, now_ms))
                         .then(|| books.view_of(key))
                 }
             };
             match view {
                 None => None,
                 Some(view) => {
-                    let plan = core.plan(&kv, view, active, req, keys, now_ms, s);
+                    let plan = core.plan(kv.as_deref(), view, active, req, keys, now_ms, s);
                     drop(kv);
                     // The books' lock is held for the booking only (the guard is a temporary of
                     // this statement); the speculation and the decision come after it.

@@ -428,7 +428,7 @@ impl RouterCore {
         s: &mut DecideScratch,
     ) -> Result<Decision, RouteError> {
         self.maintain(active, now_ms);
-        let plan = self.plan(&self.kv.read(), self.books.view(req), active, req, keys, now_ms, s);
+        let plan = self.plan(Some(&*self.kv.read()), self.books.view(req), active, req, keys, now_ms, s);
         self.commit(active, req, keys, plan, now_ms, s)
     }
 
@@ -444,7 +444,7 @@ impl RouterCore {
     /// approximate index and in the precise one.
     fn writes_are_noops(
         &self,
-        kv: &KvIndex,
+        kv: Option<&KvIndex>,
         keys: &KeyBufs,
         f: &Features,
         w: &IndexWrites,
@@ -453,9 +453,11 @@ impl RouterCore {
         let approx = !f.approx_valid
             || w.slots().all(|slot| keys.approx.sequences().all(|seq| self.index.observe_is_noop(seq, slot as usize)));
         let precise = !f.precise_valid
-            || w.slots().all(|slot| {
-                let held = precise_held(keys, s, slot) as usize;
-                kv.speculation_is_noop(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms)
+            || kv.is_some_and(|kv| {
+                w.slots().all(|slot| {
+                    let held = precise_held(keys, s, slot) as usize;
+                    kv.speculation_is_noop(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms)
+                })
             });
         (approx, precise)
     }
@@ -463,16 +465,25 @@ impl RouterCore {
     /// Whether [`RouterCore::maintain`] at `now_ms` would change what a decision reads (a request
     /// in flight to expire, speculation to withdraw), with the oldest request in flight of the
     /// books (the core's, or a [`Router`](crate::Router)'s) started at `oldest_started` (`None`:
-    /// nothing in flight) and the precise index as read (`kv`). When it would not, the read
-    /// phase can run without it (under a shared lock) and the write phase maintains.
+    /// nothing in flight) and the precise index as read (`kv`; `None`: not read, see
+    /// [`RouterCore::kv_to_read`]). When it would not, the read phase can run without it (under
+    /// a shared lock) and the write phase maintains.
     pub(crate) fn maintenance_due_with(
         &self,
-        kv: &KvIndex,
+        kv: Option<&KvIndex>,
         oldest_started: Option<u64>,
         active: &ActivePolicy,
         now_ms: u64,
     ) -> bool {
-        inflight_due_at(oldest_started, active, now_ms) || kv.expiry_due(now_ms)
+        inflight_due_at(oldest_started, active, now_ms) || kv.is_some_and(|kv| kv.expiry_due(now_ms))
+    }
+
+    /// The precise index for a decision's read phase under a shared lock, or `None` when the
+    /// decision does not read it (no precise keys) and no speculation can come due: with two
+    /// copies, reading one takes a guard (an atomic read-modify-write on a word other threads
+    /// also write), which a decision in approximate mode should not pay.
+    pub(crate) fn kv_to_read(&self, keys: &KeyBufs) -> Option<super::kv_cell::KvRead<'_>> {
+        (keys.has_precise || self.kv.may_speculate()).then(|| self.kv.read())
     }
 
     /// Withdraw the speculation due at `now_ms` beside lookups (the precise index's two copies,
@@ -514,7 +525,7 @@ impl RouterCore {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn plan(
         &self,
-        kv: &KvIndex,
+        kv: Option<&KvIndex>,
         books: BooksView,
         active: &ActivePolicy,
         req: &RouteRequest,
@@ -562,7 +573,7 @@ impl RouterCore {
         let plan = if plan.epoch == self.epoch && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster()) {
             plan
         } else {
-            self.plan(&self.kv.read(), self.books.view(req), active, req, keys, now_ms, s)
+            self.plan(Some(&*self.kv.read()), self.books.view(req), active, req, keys, now_ms, s)
         };
         if keys.tokenize_failed {
             self.books.counters.tokenize_errors += 1;
@@ -613,7 +624,7 @@ impl RouterCore {
     #[allow(clippy::too_many_arguments)]
     fn features(
         &self,
-        kv: &KvIndex,
+        kv: Option<&KvIndex>,
         books: BooksView,
         active: &ActivePolicy,
         req: &RouteRequest,
@@ -627,14 +638,16 @@ impl RouterCore {
         // A decision that began under a policy whose hashing differs from an index's neither
         // reads nor writes that index (see `reload`).
         let approx_valid = active.reads_approx() && self.index.fingerprint() == active.fingerprint;
-        let precise_valid = bufs.has_precise && kv.fingerprint() == active.precise_fingerprint;
+        // The precise index as this decision reads it (its keys made under its parameters).
+        let pkv = kv.filter(|kv| bufs.has_precise && kv.fingerprint() == active.precise_fingerprint);
+        let precise_valid = pkv.is_some();
         let weights = MatchWeights::new(&cfg.index.tier_weights);
         if approx_valid {
             self.index.match_blocks(keys, &weights, &mut s.matched, &mut s.scratch);
         } else {
             s.matched.clear();
         }
-        if precise_valid {
+        if let Some(kv) = pkv {
             kv.match_blocks(&bufs.precise, &weights, &mut s.pmatched, &mut s.scratch);
         } else {
             s.pmatched.clear();
@@ -688,7 +701,7 @@ impl RouterCore {
             let precise = match cfg.index.mode {
                 IndexMode::Approx => false,
                 IndexMode::Precise => true,
-                IndexMode::Hybrid => precise_valid && kv.healthy(i, now_ms),
+                IndexMode::Hybrid => pkv.is_some_and(|kv| kv.healthy(i, now_ms)),
             };
             let (m, hit_per_block, block_tokens) = if precise {
                 (&*pmatched, precise_per_block, precise_block_tokens)

@@ -151,7 +151,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     let inflight = |c: &RouterCore, id: &str| c.endpoints().iter().find(|e| *e.id == *id).map_or(0, |e| e.inflight);
 
     // Health changes between the phases: the write phase plans again and avoids `warm`.
-    let plan = core.plan(&core.kv.read(), core.books.view(&req), &active, &req, &keys, 1, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), core.books.view(&req), &active, &req, &keys, 1, &mut s);
     core.set_healthy(&warm, false).unwrap();
     let d = core.commit(&active, &req, &keys, plan, 1, &mut s).unwrap();
     assert_eq!(d.endpoint(), Some(other));
@@ -161,7 +161,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 
     // The endpoint planned for is removed between the phases: planned again, nothing is
     // counted on the removed endpoint.
-    let plan = core.plan(&core.kv.read(), core.books.view(&req), &active, &req, &keys, 2, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), core.books.view(&req), &active, &req, &keys, 2, &mut s);
     core.remove_endpoint(&warm).unwrap();
     let d = core.commit(&active, &req, &keys, plan, 2, &mut s).unwrap();
     assert_eq!(d.endpoint(), Some(other));
@@ -169,7 +169,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     core.upsert_endpoint(EndpointSpec::new(warm.as_str(), Role::Decode)).unwrap();
 
     // A metrics update between the phases does not move the epoch: the plan stands.
-    let plan = core.plan(&core.kv.read(), core.books.view(&req), &active, &req, &keys, 3, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), core.books.view(&req), &active, &req, &keys, 3, &mut s);
     let planned = plan.target().expect("the request is routed");
     let busy = MetricsSnapshot { waiting: 50, kv_usage: 0.79, updated_ms: 3, ..Default::default() };
     let planned_id = core.endpoints.roster()[planned].to_string();
@@ -216,7 +216,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     let routed = books.counters.routed;
 
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
-    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
     let Ok(shared) = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s) else { panic!("not booked") };
     let shared = core.finish_shared(&active, &keys, shared, 5);
     assert_eq!(shared.endpoint(), d.endpoint());
@@ -243,25 +243,25 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     assert_eq!((load(&core), books.inflight.len()), (released, 0));
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
-    let plan = core.plan(&core.kv.read(), books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
     // Later in time, with nothing due: still booked under `&self`; the speculation's clock moves.
-    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 6, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 6, &mut s);
     let Ok(later) = core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s) else { panic!("not booked") };
     let later = core.finish_shared(&active, &keys, later, 6);
     assert_eq!((books.last_now_ms, core.kv.read().speculation_now()), (6, Some(6)));
     complete_shared(&core, &mut books, &later.request_id);
     // Once a request in flight has timed out, maintenance is due: the exclusive lock.
     let timeout = active.policy.config().limits.inflight_timeout_ms;
-    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 7, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 7, &mut s);
     let Ok(old) = core.commit_shared(&mut books, &active, &req, &keys, plan, 7, &s) else { panic!("not booked") };
     let old = core.finish_shared(&active, &keys, old, 7);
     let late = 8 + timeout;
-    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, late, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, late, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, late, &s).is_err());
     complete_shared(&core, &mut books, &old.request_id);
     // An index written between the phases: the plan's no-op verdict no longer holds.
-    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
     // Flow control routes under the exclusive lock.
@@ -269,7 +269,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
     std::mem::swap(&mut core.books, &mut books);
     let active = core.policy().clone();
-    let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
+    let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
     assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
 }
 
@@ -450,7 +450,7 @@ mod precise_copies {
             prepare_keys(&active, &req, &mut keys, 5);
             let mut s = DecideScratch::default();
             let mut books = std::mem::replace(&mut core.books, Books::new(1));
-            let plan = core.plan(&core.kv.read(), books.view(&req), &active, &req, &keys, 5, &mut s);
+            let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
             let booking = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s);
             if !two {
                 assert!(booking.is_err(), "one copy: speculation needs the exclusive lock");
