@@ -146,22 +146,19 @@ impl KvCell {
             Copies::Two(p) => {
                 // The writer takes only the unpublished copy, but a reader that loaded the index
                 // just before a publication may find its copy taken: it then reads the copy
-                // published since. It never blocks on a copy: a reader holding one guard may
-                // take another (never nested in this crate, but cheap to rule out), and a
-                // blocking read behind a waiting writer would then wait for itself.
-                let mut spins = 0u32;
+                // published since, which no writer holds or waits for (`write_shared` locks the
+                // copy it is about to publish, then the one it has just unpublished), so each
+                // failed try means a writer moved on. It never blocks on a copy: a reader holding
+                // one guard may take another (never nested in this crate, but cheap to rule
+                // out), and a blocking read behind a waiting writer would then wait for itself.
+                // (No `yield_now` either: the Envoy filter, built from this crate, must import
+                // no WASI call it cannot handle failing.)
                 loop {
                     let i = p.published.load(Ordering::Acquire);
                     match p.copies[i].try_read() {
                         Ok(g) => return KvRead::Guard(g),
                         Err(std::sync::TryLockError::Poisoned(e)) => return KvRead::Guard(e.into_inner()),
-                        Err(std::sync::TryLockError::WouldBlock) => {}
-                    }
-                    if spins < 64 {
-                        std::hint::spin_loop();
-                        spins += 1;
-                    } else {
-                        std::thread::yield_now();
+                        Err(std::sync::TryLockError::WouldBlock) => std::hint::spin_loop(),
                     }
                 }
             }
