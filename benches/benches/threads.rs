@@ -12,7 +12,9 @@
 //!   alone, then while a second thread applies `BlockStored` batches through
 //!   `Router::apply_batch` as fast as it can: lookups per second and the slowdown, with the
 //!   applier's rate, and the range of the runs' own slowdowns (each run alone and beside the
-//!   applier back to back), which shows how far the machine moved the figure.
+//!   applier back to back), which shows how far the machine moved the figure; and beside an
+//!   applier paced at 8,000 batches/s (a fleet's steady event rate rather than the most one
+//!   thread can apply).
 //!
 //! `KVROUTE_THREADS_PART=scaling` (or `precise-scaling`) runs one scaling part alone, shared
 //! router only (e.g. under a profiler); `KVROUTE_THREADS_PART=events` runs the lookups under
@@ -39,6 +41,9 @@ const W: usize = 64;
 /// 8k tokens × 4 bytes per pseudo-token.
 const PROMPT_BYTES: usize = 8192 * 4;
 const RUNS: usize = 9;
+/// The paced applier's rate, batches of 8 blocks per second: 64 engines each publishing a batch
+/// every 8 ms or so.
+const PACED: f64 = 8_000.0;
 /// Decisions per thread per scaling run.
 const OPS: usize = 10_000;
 /// Lookups per run of the events comparison.
@@ -192,6 +197,7 @@ fn lookup_run(
     batches: &Arc<Batches>,
     clock: &Arc<AtomicU64>,
     applied_to: Option<&Arc<Router>>,
+    pace: Option<f64>,
 ) -> (f64, f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let with_applier = applied_to.is_some();
@@ -205,6 +211,13 @@ fn lookup_run(
                 let (e, b) = &batches[n % batches.len()];
                 router.apply_batch(&ids[*e], b, None, clock.load(Ordering::Relaxed)).unwrap();
                 n += 1;
+                if let Some(rate) = pace {
+                    // A steady rate (batches per second), as engines publish.
+                    let next = t0 + Duration::from_secs_f64(n as f64 / rate);
+                    if let Some(wait) = next.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
+                }
             }
             n as f64 / t0.elapsed().as_secs_f64()
         })
@@ -316,20 +329,20 @@ fn main() {
         let (router, ids, reqs, batches) = precise_router();
         let (router, ids, reqs, batches) = (Arc::new(router), Arc::new(ids), Arc::new(reqs), Arc::new(batches));
         let clock = Arc::new(AtomicU64::new(NOW));
-        lookup_run(&router, &ids, &reqs, &batches, &clock, Some(&router));
+        lookup_run(&router, &ids, &reqs, &batches, &clock, Some(&router), None);
         // `KVROUTE_THREADS_ONLY=alone` (or `beside`): only that side, for a profiler.
         let only = std::env::var("KVROUTE_THREADS_ONLY").unwrap_or_default();
         if !only.is_empty() {
             let target = (only == "beside").then_some(&router);
             for _ in 0..RUNS {
-                let (l, a) = lookup_run(&router, &ids, &reqs, &batches, &clock, target);
+                let (l, a) = lookup_run(&router, &ids, &reqs, &batches, &clock, target, None);
                 println!("lookups {l:.0}/s ({only}), {a:.0} batches/s");
             }
             return;
         }
         for _ in 0..RUNS {
-            let alone = lookup_run(&router, &ids, &reqs, &batches, &clock, None).0;
-            let (with, applied) = lookup_run(&router, &ids, &reqs, &batches, &clock, Some(&router));
+            let alone = lookup_run(&router, &ids, &reqs, &batches, &clock, None, None).0;
+            let (with, applied) = lookup_run(&router, &ids, &reqs, &batches, &clock, Some(&router), None);
             println!(
                 "lookups {alone:.0}/s alone, {with:.0}/s beside the applier ({:.1}% slower) at {applied:.0} batches/s",
                 (1.0 - with / alone) * 100.0
@@ -352,26 +365,27 @@ fn main() {
     assert_eq!(d.cached_tokens, (PROMPT_TOKENS * 3 / 4) as u64, "3/4 of the lookup prompt is cached");
     prouter.complete(&d.request_id).unwrap();
     let other = Arc::new(precise_router().0);
-    let (mut alone, mut with, mut applied, mut beside, mut applied_beside) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut alone, mut with, mut applied, mut beside, mut applied_beside, mut paced) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // Warm-up (and a first pass of stores on both routers).
-    lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&prouter));
-    lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&other));
+    lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&prouter), None);
+    lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&other), None);
     for _ in 0..RUNS {
-        alone.push(lookup_run(&prouter, &ids, &preqs, &batches, &clock, None).0);
-        let (l, a) = lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&prouter));
+        alone.push(lookup_run(&prouter, &ids, &preqs, &batches, &clock, None, None).0);
+        let (l, a) = lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&prouter), None);
         with.push(l);
         applied.push(a);
-        let (l, a) = lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&other));
+        let (l, a) = lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&other), None);
         beside.push(l);
         applied_beside.push(a);
+        paced.push(lookup_run(&prouter, &ids, &preqs, &batches, &clock, Some(&prouter), Some(PACED)).0);
     }
     // Each run's own slowdown (its lookups alone against beside the applier, back to back): their
     // spread shows how far the machine moved the figure in this session.
     let pair_slow: Vec<f64> = alone.iter().zip(&with).map(|(a, w)| (1.0 - w / a) * 100.0).collect();
     let (pair_min, pair_max) = pair_slow.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
     let (alone, with, applied) = (median(alone), median(with), median(applied));
-    let (beside, applied_beside) = (median(beside), median(applied_beside));
+    let (beside, applied_beside, paced) = (median(beside), median(applied_beside), median(paced));
 
     // Per-op timings through criterion: one route + complete on the shared routers.
     let mut c = Criterion::default()
@@ -418,5 +432,10 @@ fn main() {
         "- the machine's own interference: {beside:.0} lookups/s ({:.1}% slower) with the applier on another router at {:.0} batches/s",
         (1.0 - beside / alone) * 100.0,
         applied_beside
+    );
+    println!(
+        "- lookups beside an applier paced at {PACED:.0} batches/s ({:.0} blocks/s, a fleet's event rate) on the same router: {paced:.0}/s ({:.1}% slower)",
+        PACED * 8.0,
+        (1.0 - paced / alone) * 100.0
     );
 }

@@ -1,22 +1,26 @@
 //! The precise index's cell: one copy in a [`RouterCore`](super::RouterCore) on its own, two in
 //! a [`Router`](crate::Router), so that event application never holds up a lookup.
 //!
-//! With two copies, lookups read the *published* copy; event application (under the router's
-//! shared lock, beside decisions) writes the other one, publishes it, waits for the lookups
-//! still reading the old one to leave, and writes the same batch into it. Every write reaches
-//! both copies in the same order through a deterministic closure, so they stay equal; the
-//! speculation's clock is one word both copies share (`SpecQueue::twin`). Writes under the
-//! router's exclusive lock (`&mut`) reach both copies directly, with no locking. This is the
-//! left-right scheme (two copies, readers never wait for a writer), hand-written rather than
-//! the `left-right` crate's: that crate replays owned operations from a log and gives each
-//! reader thread a handle of its own, while these writes borrow the caller's event batch and
-//! come from any thread, and the readers are whichever threads route.
+//! With two copies, lookups read the *published* copy (an `ArcSwap` load: the reading thread
+//! writes only its own slot, so readers share no word and never wait); event application and
+//! the decisions' speculation (under the router's shared lock, beside decisions) write the
+//! other one, publish it, wait for the lookups still reading the old one to leave (its `Arc`
+//! count falls to one), and write the same into it. Every write reaches both copies in the same
+//! order through a deterministic closure, so they stay equal; the speculation's clock is one
+//! word both copies share (`SpecQueue::twin`). Writes under the router's exclusive lock (`&mut`)
+//! reach both copies directly. This is the left-right scheme (two copies, readers never wait for
+//! a writer), built on `arc-swap` rather than the `left-right` crate: that crate replays owned
+//! operations from a log and gives each reader thread a handle of its own, while these writes
+//! borrow the caller's event batch and come from any thread, and the readers are whichever
+//! threads route.
 //!
 //! Like `router/mod.rs`, this file is allowed synchronization by `scripts/check-sans-io.sh`:
 //! it is the one synchronized part `RouterCore` holds, and only a `Router` turns it on.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use arc_swap::ArcSwap;
 
 use crate::precise::speculation::SpecClock;
 use crate::precise::KvIndex;
@@ -41,11 +45,15 @@ enum Copies {
 }
 
 struct Pair {
-    copies: [RwLock<KvIndex>; 2],
-    /// The copy lookups read (0 or 1).
-    published: AtomicUsize,
-    /// Held by the writer of [`KvCell::write_shared`] (several event threads take turns).
-    writer: Mutex<()>,
+    /// The copy lookups read. Loading it writes only the reading thread's own slot (arc-swap's
+    /// debts), so readers share no word: nothing they do passes a cache line between them.
+    published: ArcSwap<KvCopy>,
+    /// The other copy, the writers' (its mutex orders them: several event threads take turns).
+    /// `None` only while a writer has it in hand.
+    spare: Mutex<Option<Arc<KvCopy>>>,
+    /// An empty index, published for a moment while a write under `&mut` holds the published
+    /// copy (no lookup runs then), so that the write allocates nothing.
+    placeholder: Arc<KvCopy>,
     /// The speculation's clock, which both copies share.
     clock: SpecClock,
     /// Whether the copies hold speculation (set after every write): a decision that does not
@@ -61,10 +69,29 @@ impl Pair {
     }
 }
 
-/// The index as read: the copy itself, or a read guard on the published copy.
+/// The index as read: the copy itself, or a guard on the published copy.
 pub(crate) enum KvRead<'a> {
     Plain(&'a KvIndex),
-    Guard(RwLockReadGuard<'a, KvIndex>),
+    Guard(arc_swap::Guard<Arc<KvCopy>>),
+}
+
+/// One of the two copies. Cloning makes a twin (`KvIndex::twin`), which `Arc::make_mut` would
+/// do only if a copy were written while still read; [`exclusive`] waits for its readers instead.
+pub(crate) struct KvCopy(KvIndex);
+
+impl Clone for KvCopy {
+    fn clone(&self) -> Self {
+        KvCopy(self.0.twin())
+    }
+}
+
+/// The copy in `arc` to write, once the lookups still reading it (it was published until a
+/// moment ago) have left: nothing can take a new reference to a copy that is not published.
+fn exclusive(arc: &mut Arc<KvCopy>) -> &mut KvIndex {
+    while Arc::strong_count(arc) > 1 {
+        std::hint::spin_loop();
+    }
+    &mut Arc::make_mut(arc).0
 }
 
 impl std::ops::Deref for KvRead<'_> {
@@ -73,7 +100,7 @@ impl std::ops::Deref for KvRead<'_> {
     fn deref(&self) -> &KvIndex {
         match self {
             KvRead::Plain(k) => k,
-            KvRead::Guard(g) => g,
+            KvRead::Guard(g) => &g.0,
         }
     }
 }
@@ -107,16 +134,19 @@ impl KvCell {
                 let clock = a.speculation_clock();
                 let speculating = AtomicBool::new(a.has_speculation());
                 Copies::Two(Box::new(Pair {
-                    copies: [RwLock::new(a), RwLock::new(b)],
-                    published: AtomicUsize::new(0),
-                    writer: Mutex::new(()),
+                    published: ArcSwap::from_pointee(KvCopy(a)),
+                    spare: Mutex::new(Some(Arc::new(KvCopy(b)))),
+                    placeholder: Arc::new(KvCopy(KvIndex::new(&crate::config::PolicyConfig::default(), 0, 1))),
                     clock,
                     speculating,
                 }))
             }
             Copies::Two(p) => {
-                let [a, _] = p.copies;
-                Copies::One(a.into_inner().unwrap_or_else(PoisonError::into_inner))
+                // Under `&mut`: no lookup holds a copy.
+                let mut a = p.published.into_inner();
+                let a =
+                    std::mem::replace(exclusive(&mut a), KvIndex::new(&crate::config::PolicyConfig::default(), 0, 1));
+                Copies::One(a)
             }
         };
     }
@@ -143,25 +173,8 @@ impl KvCell {
     pub(crate) fn read(&self) -> KvRead<'_> {
         match &self.copies {
             Copies::One(k) => KvRead::Plain(k),
-            Copies::Two(p) => {
-                // The writer takes only the unpublished copy, but a reader that loaded the index
-                // just before a publication may find its copy taken: it then reads the copy
-                // published since, which no writer holds or waits for (`write_shared` locks the
-                // copy it is about to publish, then the one it has just unpublished), so each
-                // failed try means a writer moved on. It never blocks on a copy: a reader holding
-                // one guard may take another (never nested in this crate, but cheap to rule
-                // out), and a blocking read behind a waiting writer would then wait for itself.
-                // (No `yield_now` either: the Envoy filter, built from this crate, must import
-                // no WASI call it cannot handle failing.)
-                loop {
-                    let i = p.published.load(Ordering::Acquire);
-                    match p.copies[i].try_read() {
-                        Ok(g) => return KvRead::Guard(g),
-                        Err(std::sync::TryLockError::Poisoned(e)) => return KvRead::Guard(e.into_inner()),
-                        Err(std::sync::TryLockError::WouldBlock) => std::hint::spin_loop(),
-                    }
-                }
-            }
+            // Never waits: a writer writes only the copy that is not published.
+            Copies::Two(p) => KvRead::Guard(p.published.load()),
         }
     }
 
@@ -183,12 +196,23 @@ impl KvCell {
     fn write_uncounted<R>(&mut self, f: &mut impl FnMut(&mut KvIndex) -> R) -> R {
         match &mut self.copies {
             Copies::One(k) => f(k),
+            // Under `&mut` no lookup holds a copy: both are written at once (the published one,
+            // which stays published, then the spare).
             Copies::Two(p) => {
-                let [a, b] = &mut p.copies;
-                let r = f(a.get_mut().unwrap_or_else(PoisonError::into_inner));
-                let b = b.get_mut().unwrap_or_else(PoisonError::into_inner);
-                f(b);
-                let s = b.has_speculation();
+                let mut published = p.published.swap(Arc::clone(&p.placeholder));
+                let k = exclusive(&mut published);
+                let r = f(k);
+                let s = k.has_speculation();
+                let spare = p.spare.get_mut().unwrap_or_else(PoisonError::into_inner);
+                match spare {
+                    Some(spare) => {
+                        f(exclusive(spare));
+                    }
+                    // Only while a writer holds it, which `&mut` rules out; were it lost, a
+                    // twin of the published copy takes its place.
+                    None => *spare = Some(Arc::new(KvCopy(k.twin()))),
+                }
+                p.published.store(published);
                 p.note_speculation(s);
                 r
             }
@@ -205,8 +229,12 @@ impl KvCell {
     pub(crate) fn expire(&mut self, now_ms: u64) {
         if self.read().expiry_due(now_ms) {
             self.writes = self.writes.wrapping_add(1);
+            self.write_uncounted(&mut |k: &mut KvIndex| k.expire(now_ms));
+        } else {
+            // What else `expire` would do (moving the deadline window's low end over empty
+            // buckets) changes nothing a lookup or a later call reads (`SpecQueue::observe`).
+            self.observe_clock(now_ms);
         }
-        self.write_uncounted(&mut |k: &mut KvIndex| k.expire(now_ms));
     }
 
     /// Change the index beside lookups (under the router's shared lock): `f` runs on the
@@ -220,14 +248,14 @@ impl KvCell {
     /// send nearly every decision to the exclusive lock while events flow.
     pub(crate) fn write_shared<R>(&self, mut f: impl FnMut(&mut KvIndex) -> R) -> Option<R> {
         let Copies::Two(p) = &self.copies else { return None };
-        let _writer = p.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        let old = p.published.load(Ordering::Relaxed);
-        let new = 1 - old;
-        let r = f(&mut p.copies[new].write().unwrap_or_else(PoisonError::into_inner));
-        p.published.store(new, Ordering::Release);
-        let mut second = p.copies[old].write().unwrap_or_else(PoisonError::into_inner);
-        f(&mut second);
-        p.note_speculation(second.has_speculation());
+        let mut spare = p.spare.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut next = spare.take()?;
+        let r = f(exclusive(&mut next));
+        let mut old = p.published.swap(next);
+        let k = exclusive(&mut old);
+        f(k);
+        p.note_speculation(k.has_speculation());
+        *spare = Some(old);
         Some(r)
     }
 }
@@ -238,7 +266,11 @@ impl KvCell {
     pub(crate) fn each_copy<T>(&self, mut f: impl FnMut(&KvIndex) -> T) -> Vec<T> {
         match &self.copies {
             Copies::One(k) => vec![f(k)],
-            Copies::Two(p) => p.copies.iter().map(|c| f(&c.read().unwrap_or_else(PoisonError::into_inner))).collect(),
+            Copies::Two(p) => {
+                let spare = p.spare.lock().unwrap_or_else(PoisonError::into_inner);
+                let spare = spare.as_deref().map(|c| f(&c.0));
+                std::iter::once(f(&p.published.load().0)).chain(spare).collect()
+            }
         }
     }
 }
