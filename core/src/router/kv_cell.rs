@@ -151,6 +151,11 @@ impl KvCell {
         };
     }
 
+    /// Whether writes can be made beside lookups (two copies).
+    pub(crate) fn shared(&self) -> bool {
+        matches!(self.copies, Copies::Two(_))
+    }
+
     /// Copies held (1 or 2).
     pub(crate) fn copies(&self) -> u64 {
         match self.copies {
@@ -246,18 +251,39 @@ impl KvCell {
     /// treated as made just before the batch (had it been, its no-op would have changed
     /// nothing either, and the batch would then apply as it does). Counting these writes would
     /// send nearly every decision to the exclusive lock while events flow.
-    pub(crate) fn write_shared<R>(&self, mut f: impl FnMut(&mut KvIndex) -> R) -> Option<R> {
+    pub(crate) fn write_shared<R>(&self, f: impl FnMut(&mut KvIndex) -> R) -> Option<R> {
         let Copies::Two(p) = &self.copies else { return None };
-        let mut spare = p.spare.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut next = spare.take()?;
-        let r = f(exclusive(&mut next));
-        let mut old = p.published.swap(next);
-        let k = exclusive(&mut old);
-        f(k);
-        p.note_speculation(k.has_speculation());
-        *spare = Some(old);
-        Some(r)
+        let spare = p.spare.lock().unwrap_or_else(PoisonError::into_inner);
+        write_both(p, spare, f)
     }
+
+    /// [`KvCell::write_shared`] if no other writer is at it now (`None` otherwise, or with one
+    /// copy).
+    pub(crate) fn try_write_shared<R>(&self, f: impl FnMut(&mut KvIndex) -> R) -> Option<R> {
+        let Copies::Two(p) = &self.copies else { return None };
+        let spare = match p.spare.try_lock() {
+            Ok(s) => s,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        write_both(p, spare, f)
+    }
+}
+
+/// The write of [`KvCell::write_shared`], the writers' turn (`spare`) taken.
+fn write_both<R>(
+    p: &Pair,
+    mut spare: std::sync::MutexGuard<'_, Option<Arc<KvCopy>>>,
+    mut f: impl FnMut(&mut KvIndex) -> R,
+) -> Option<R> {
+    let mut next = spare.take()?;
+    let r = f(exclusive(&mut next));
+    let mut old = p.published.swap(next);
+    let k = exclusive(&mut old);
+    f(k);
+    p.note_speculation(k.has_speculation());
+    *spare = Some(old);
+    Some(r)
 }
 
 #[cfg(test)]

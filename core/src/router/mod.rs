@@ -676,9 +676,12 @@ impl Router {
             // One copy of the precise index for the whole read phase (see `kv_cell.rs`). The
             // speculation due at `now_ms` is withdrawn first, beside lookups.
             let mut kv = core.kv_to_read(keys);
-            if kv.as_ref().is_some_and(|kv| kv.expiry_due(now_ms)) {
+            // With two copies the speculation due is withdrawn here, beside lookups (or by the
+            // writer at it now), and is no reason for the exclusive lock; with one it is.
+            let mut kv_due = kv.as_ref().is_some_and(|kv| kv.expiry_due(now_ms));
+            if kv_due {
                 drop(kv);
-                core.expire_shared(now_ms);
+                kv_due = !core.expire_shared(now_ms);
                 kv = Some(core.kv.read());
             }
             // A request without a session reads what the books published at their last
@@ -686,12 +689,12 @@ impl Router {
             let view = match session_key(req) {
                 None => {
                     let (draws, oldest_started) = self.books.published();
-                    (!core.maintenance_due_with(kv.as_deref(), oldest_started, active, now_ms))
+                    (!kv_due && !core.maintenance_due_with(None, oldest_started, active, now_ms))
                         .then(|| BooksView::sessionless(draws))
                 }
                 key => {
                     let books = self.books();
-                    (!core.maintenance_due_with(kv.as_deref(), books.oldest_started(), active, now_ms))
+                    (!kv_due && !core.maintenance_due_with(None, books.oldest_started(), active, now_ms))
                         .then(|| books.view_of(key))
                 }
             };

@@ -487,10 +487,16 @@ impl RouterCore {
     }
 
     /// Withdraw the speculation due at `now_ms` beside lookups (the precise index's two copies,
-    /// under a [`Router`](crate::Router)'s shared lock); `false` when the index has one copy
-    /// (then it needs the exclusive lock).
+    /// under a [`Router`](crate::Router)'s shared lock), unless another thread is writing the
+    /// index at this moment: then the speculation due is left to that writer or the next
+    /// decision, and this decision reads it a moment past its deadline (which the deadlines'
+    /// 16 ms resolution allows anyway) instead of queueing behind an event batch. `false` when
+    /// the index has one copy (then it needs the exclusive lock).
     pub(crate) fn expire_shared(&self, now_ms: u64) -> bool {
-        self.kv.write_shared(|kv| kv.expire(now_ms)).is_some()
+        self.kv.shared() && {
+            self.kv.try_write_shared(|kv| kv.expire(now_ms));
+            true
+        }
     }
 
     /// Write the speculation of a decision [`RouterCore::commit_shared`] booked beside lookups
