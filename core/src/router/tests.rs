@@ -9,6 +9,16 @@ fn router() -> Router {
     r
 }
 
+/// A request's keys under `active`, made at `now_ms` (as a decision makes them first).
+fn keys_of(active: &ActivePolicy, req: &RouteRequest, now_ms: u64) -> KeyBufs {
+    let mut keys = KeyBufs::default();
+    #[cfg(feature = "tokenizer")]
+    prepare_keys(active, None, req, &mut keys, now_ms);
+    #[cfg(not(feature = "tokenizer"))]
+    prepare_keys(active, req, &mut keys, now_ms);
+    keys
+}
+
 #[test]
 fn router_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
@@ -142,11 +152,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
     let other = if warm == "10.0.0.1:8000" { "10.0.0.2:8000" } else { "10.0.0.1:8000" };
     core.complete(&d.request_id).unwrap();
     let active = core.policy().clone();
-    let mut keys = KeyBufs::default();
-    #[cfg(feature = "tokenizer")]
-    prepare_keys(&active, None, &req, &mut keys, 1);
-    #[cfg(not(feature = "tokenizer"))]
-    prepare_keys(&active, &req, &mut keys, 1);
+    let keys = keys_of(&active, &req, 1);
     let mut s = DecideScratch::default();
     let inflight = |c: &RouterCore, id: &str| c.endpoints().iter().find(|e| *e.id == *id).map_or(0, |e| e.inflight);
 
@@ -200,15 +206,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     let d = core.route(&req, 5).unwrap();
     core.complete(&d.request_id).unwrap();
     let active = core.policy().clone();
-    let keys_of = |req: &RouteRequest| {
-        let mut keys = KeyBufs::default();
-        #[cfg(feature = "tokenizer")]
-        prepare_keys(&active, None, req, &mut keys, 5);
-        #[cfg(not(feature = "tokenizer"))]
-        prepare_keys(&active, req, &mut keys, 5);
-        keys
-    };
-    let (keys, fresh_keys) = (keys_of(&req), keys_of(&fresh));
+    let (keys, fresh_keys) = (keys_of(&active, &req, 5), keys_of(&active, &fresh, 5));
     let mut s = DecideScratch::default();
     let index_before = core.stats().index;
     // The books kept apart, as a `Router` keeps them.
@@ -325,12 +323,7 @@ mod precise_copies {
     const BLOCK: usize = 16;
     const ENDPOINTS: usize = 4;
 
-    fn splitmix(mut x: u64) -> u64 {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
-    }
+    use crate::score::splitmix64 as splitmix;
 
     fn id(e: usize) -> String {
         format!("10.0.0.{}:8000", e + 1)
@@ -443,11 +436,7 @@ mod precise_copies {
                 core.kv = core.kv.into_shared(true);
             }
             let active = core.policy().clone();
-            let mut keys = KeyBufs::default();
-            #[cfg(feature = "tokenizer")]
-            prepare_keys(&active, None, &req, &mut keys, 5);
-            #[cfg(not(feature = "tokenizer"))]
-            prepare_keys(&active, &req, &mut keys, 5);
+            let keys = keys_of(&active, &req, 5);
             let mut s = DecideScratch::default();
             let mut books = std::mem::replace(&mut core.books, Books::new(1));
             let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
