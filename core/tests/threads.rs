@@ -412,6 +412,25 @@ fn two_copies_follow_the_policy_across_reloads() {
     }
     let (a, b) = stats_of_both_copies(&router);
     assert_eq!(a, b);
+    // Bad input changes nothing: a batch from an unknown endpoint (beside lookups, into both
+    // copies) and a policy whose `two_copies` is not a bool.
+    let before = stats_of_both_copies(&router);
+    assert!(matches!(
+        router.apply_batch("10.9.9.9:1", &stored(1), None, 1_300),
+        Err(StateError::UnknownEndpoint { .. })
+    ));
+    let bad = r#"{"index":{"mode":"precise","precise":{"two_copies":"yes"}}}"#;
+    match router.reload_str(bad) {
+        Err(kvroute::ConfigError::Parse { path, .. }) => assert_eq!(path, "index.precise.two_copies"),
+        other => panic!("unexpected {other:?}"),
+    }
+    let (mut x, mut y) = stats_of_both_copies(&router);
+    // Two more empty batches were applied; the rejected reload is counted.
+    x.precise.batches -= 2;
+    y.precise.batches -= 2;
+    x.counters.reload_failures -= 1;
+    y.counters.reload_failures -= 1;
+    assert_eq!((x, y), before, "unchanged");
     router.reload_str(ONE).unwrap();
     let back = router.stats();
     assert_eq!(back.precise.copies, 1);

@@ -75,6 +75,11 @@ pub(crate) enum KvRead<'a> {
     Guard(arc_swap::Guard<Arc<KvCopy>>),
 }
 
+/// A cheap empty index: it stands in while the copies move.
+fn empty_index() -> KvIndex {
+    KvIndex::new(&crate::config::PolicyConfig::default(), 0, 1)
+}
+
 /// One of the two copies. Cloning makes a twin (`KvIndex::twin`), which `Arc::make_mut` would
 /// do only if a copy were written while still read; [`exclusive`] waits for its readers instead.
 pub(crate) struct KvCopy(KvIndex);
@@ -126,8 +131,7 @@ impl KvCell {
         if two == matches!(self.copies, Copies::Two(_)) {
             return;
         }
-        // A cheap empty index stands in while the copies move.
-        let placeholder = Copies::One(KvIndex::new(&crate::config::PolicyConfig::default(), 0, 1));
+        let placeholder = Copies::One(empty_index());
         self.copies = match std::mem::replace(&mut self.copies, placeholder) {
             Copies::One(a) => {
                 let b = a.twin();
@@ -136,7 +140,7 @@ impl KvCell {
                 Copies::Two(Box::new(Pair {
                     published: ArcSwap::from_pointee(KvCopy(a)),
                     spare: Mutex::new(Some(Arc::new(KvCopy(b)))),
-                    placeholder: Arc::new(KvCopy(KvIndex::new(&crate::config::PolicyConfig::default(), 0, 1))),
+                    placeholder: Arc::new(KvCopy(empty_index())),
                     clock,
                     speculating,
                 }))
@@ -144,8 +148,7 @@ impl KvCell {
             Copies::Two(p) => {
                 // Under `&mut`: no lookup holds a copy.
                 let mut a = p.published.into_inner();
-                let a =
-                    std::mem::replace(exclusive(&mut a), KvIndex::new(&crate::config::PolicyConfig::default(), 0, 1));
+                let a = std::mem::replace(exclusive(&mut a), empty_index());
                 Copies::One(a)
             }
         };

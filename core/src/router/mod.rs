@@ -43,7 +43,7 @@ use crate::precise::events::EventBatch;
 use crate::precise::ApplyOutcome;
 use crate::request::RouteRequest;
 use inflight::session_key;
-use route::{prepare_keys, BooksView, DecideScratch, KeyBufs};
+use route::{inflight_due_at, prepare_keys, BooksView, DecideScratch, KeyBufs};
 
 /// The router. `Send + Sync`: share it behind an `Arc` and call it from any thread.
 ///
@@ -673,11 +673,10 @@ impl Router {
     ) -> Result<Decision, RouteError> {
         let plan = {
             let core = self.read();
-            // One copy of the precise index for the whole read phase (see `kv_cell.rs`). The
-            // speculation due at `now_ms` is withdrawn first, beside lookups.
+            // One copy of the precise index for the whole read phase (see `kv_cell.rs`). With
+            // two copies the speculation due is withdrawn here, beside lookups (or by the writer
+            // at it now), and is no reason for the exclusive lock; with one it is.
             let mut kv = core.kv_to_read(keys);
-            // With two copies the speculation due is withdrawn here, beside lookups (or by the
-            // writer at it now), and is no reason for the exclusive lock; with one it is.
             let mut kv_due = kv.as_ref().is_some_and(|kv| kv.expiry_due(now_ms));
             if kv_due {
                 drop(kv);
@@ -689,13 +688,11 @@ impl Router {
             let view = match session_key(req) {
                 None => {
                     let (draws, oldest_started) = self.books.published();
-                    (!kv_due && !core.maintenance_due_with(None, oldest_started, active, now_ms))
-                        .then(|| BooksView::sessionless(draws))
+                    (!kv_due && !inflight_due_at(oldest_started, active, now_ms)).then(|| BooksView::sessionless(draws))
                 }
                 key => {
                     let books = self.books();
-                    (!kv_due && !core.maintenance_due_with(None, books.oldest_started(), active, now_ms))
-                        .then(|| books.view_of(key))
+                    (!kv_due && !inflight_due_at(books.oldest_started(), active, now_ms)).then(|| books.view_of(key))
                 }
             };
             match view {

@@ -295,8 +295,9 @@ impl IndexWrites {
 }
 
 /// Whether a request in flight is due to expire at `now_ms`, the oldest having started at
-/// `oldest_started`.
-fn inflight_due_at(oldest_started: Option<u64>, active: &ActivePolicy, now_ms: u64) -> bool {
+/// `oldest_started` (`None`: nothing in flight): then [`RouterCore::maintain`] would change what
+/// a decision reads, and the decision runs under the exclusive lock.
+pub(crate) fn inflight_due_at(oldest_started: Option<u64>, active: &ActivePolicy, now_ms: u64) -> bool {
     let timeout = active.policy.config().limits.inflight_timeout_ms;
     oldest_started.is_some_and(|t| now_ms.saturating_sub(t) > timeout)
 }
@@ -462,26 +463,10 @@ impl RouterCore {
         (approx, precise)
     }
 
-    /// Whether [`RouterCore::maintain`] at `now_ms` would change what a decision reads (a request
-    /// in flight to expire, speculation to withdraw), with the oldest request in flight of the
-    /// books (the core's, or a [`Router`](crate::Router)'s) started at `oldest_started` (`None`:
-    /// nothing in flight) and the precise index as read (`kv`; `None`: not read, see
-    /// [`RouterCore::kv_to_read`]). When it would not, the read phase can run without it (under
-    /// a shared lock) and the write phase maintains.
-    pub(crate) fn maintenance_due_with(
-        &self,
-        kv: Option<&KvIndex>,
-        oldest_started: Option<u64>,
-        active: &ActivePolicy,
-        now_ms: u64,
-    ) -> bool {
-        inflight_due_at(oldest_started, active, now_ms) || kv.is_some_and(|kv| kv.expiry_due(now_ms))
-    }
-
     /// The precise index for a decision's read phase under a shared lock, or `None` when the
     /// decision does not read it (no precise keys) and no speculation can come due: with two
-    /// copies, reading one takes a guard (an atomic read-modify-write on a word other threads
-    /// also write), which a decision in approximate mode should not pay.
+    /// copies, reading one takes a guard (arc-swap's slot of this thread, and a fence), which a
+    /// decision in approximate mode need not pay.
     pub(crate) fn kv_to_read(&self, keys: &KeyBufs) -> Option<super::kv_cell::KvRead<'_>> {
         (keys.has_precise || self.kv.may_speculate()).then(|| self.kv.read())
     }

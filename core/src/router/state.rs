@@ -428,10 +428,7 @@ impl RouterCore {
     ) -> Result<ApplyOutcome, StateError> {
         let slot = self.endpoints.slot_of(endpoint).ok_or_else(|| unknown(endpoint))?;
         self.books.last_now_ms = self.books.last_now_ms.max(now_ms);
-        Ok(self.kv.write(|kv| {
-            kv.expire(now_ms);
-            kv.apply_at(slot as usize, batch, seq, now_ms)
-        }))
+        Ok(self.kv.write(|kv| apply_at(kv, slot, batch, seq, now_ms)))
     }
 
     /// [`RouterCore::apply_batch`] under a shared lock ([`Router`](crate::Router)'s event
@@ -445,12 +442,7 @@ impl RouterCore {
         now_ms: u64,
     ) -> Option<Result<ApplyOutcome, StateError>> {
         let Some(slot) = self.endpoints.slot_of(endpoint) else { return Some(Err(unknown(endpoint))) };
-        self.kv
-            .write_shared(|kv| {
-                kv.expire(now_ms);
-                kv.apply_at(slot as usize, batch, seq, now_ms)
-            })
-            .map(Ok)
+        self.kv.write_shared(|kv| apply_at(kv, slot, batch, seq, now_ms)).map(Ok)
     }
 
     /// Count a replay attempt of `endpoint`'s event subscriber (for `metrics_text`).
@@ -531,6 +523,13 @@ impl Books {
             last_now_ms: 0,
         }
     }
+}
+
+/// Apply `slot`'s batch at `now_ms` to one copy of the precise index, speculation due withdrawn
+/// first (both event paths, exclusive and shared).
+fn apply_at(kv: &mut KvIndex, slot: u16, batch: &EventBatch, seq: Option<u64>, now_ms: u64) -> ApplyOutcome {
+    kv.expire(now_ms);
+    kv.apply_at(slot as usize, batch, seq, now_ms)
 }
 
 /// Take request `request_id` out of `books` and off its endpoints' loads.
