@@ -45,9 +45,9 @@ const RUNS: usize = 9;
 /// every 8 ms or so.
 const PACED: f64 = 8_000.0;
 /// Decisions per thread per scaling run.
-const OPS: usize = 10_000;
+const OPS: usize = 40_000;
 /// Lookups per run of the events comparison.
-const LOOKUPS: usize = 8_000;
+const LOOKUPS: usize = 32_000;
 const BLOCK: usize = 16;
 const PROMPT_TOKENS: usize = 8192;
 const SYSTEM_TOKENS: usize = 2048;

@@ -115,6 +115,14 @@ pub(crate) fn token_bytes<'a>(ids: &'a [u32], scratch: &'a mut Vec<u8>) -> &'a [
     }
 }
 
+/// rapidhash v3 of `data` (the block hash; the target's fast implementation), for the
+/// router's tables keyed by strings (request ids): a few multiplies for a short id, where the
+/// streaming xxh3 hasher copies into its buffer first (and on wasm32 calls the compiler
+/// runtime's 128-bit multiply). Like any unkeyed hash it does not resist chosen collisions.
+pub(crate) fn bytes_hash(data: &[u8]) -> u64 {
+    rapidhash_v3(data)
+}
+
 #[inline]
 fn mix(parent: u64, block_hash: u64) -> u64 {
     match folded_multiply(parent ^ 0xa076_1d64_78bd_642f, block_hash ^ 0xe703_7ed1_a0b4_28db) {

@@ -9,5 +9,5 @@
 
 mod keys;
 
-pub(crate) use keys::{mul_hi, token_bytes};
+pub(crate) use keys::{bytes_hash, mul_hi, token_bytes};
 pub use keys::{ApproxHashing, BlockKey, RequestKeys};

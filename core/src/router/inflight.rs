@@ -1,6 +1,8 @@
 //! Requests in flight, request ids and session keys.
 
 use std::collections::{HashMap, VecDeque};
+
+use hashbrown::HashTable;
 use std::sync::Arc;
 
 use xxhash_rust::xxh3::{Xxh3, Xxh3DefaultBuilder};
@@ -25,19 +27,47 @@ pub(super) struct Inflight {
     serial: u64,
 }
 
-/// Requests in flight: a map by request id plus the ids in arrival order (for expiry and the
+/// Requests in flight: a table by request id plus the ids in arrival order (for expiry and the
 /// size bound). Completed requests leave a stale entry in the order queue, skipped when reached
-/// and compacted away when the queue grows to twice the map.
+/// and compacted away when the queue grows to twice the table.
+///
+/// This runs under the books' lock, which decisions and completions on other threads wait for,
+/// so it does little there: every id is hashed once, when it comes in (a completion's before
+/// the lock: [`InflightTable::remove_hashed`]), and the table and the queue keep its hash; the
+/// queue's front is always live and carries its start, so the oldest request's start (read at
+/// every unlock) looks nothing up, and the queue is trimmed only when its front leaves.
 #[derive(Debug)]
 pub(super) struct InflightTable {
-    map: HashMap<Arc<str>, Inflight, Xxh3DefaultBuilder>,
-    order: VecDeque<(u64, Arc<str>)>,
+    map: HashTable<Entry>,
+    order: VecDeque<Queued>,
     next_serial: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    id: Arc<str>,
+    hash: u64,
+    f: Inflight,
+}
+
+/// A request in arrival order: its serial (stale when the table holds another one under the
+/// id), the id's hash, when it started and the id.
+#[derive(Debug)]
+struct Queued {
+    serial: u64,
+    hash: u64,
+    started_ms: u64,
+    id: Arc<str>,
+}
+
+/// The table's hash of a request id (see [`InflightTable::remove_hashed`]).
+pub(super) fn id_hash(id: &str) -> u64 {
+    crate::approx::bytes_hash(id.as_bytes())
 }
 
 impl InflightTable {
     pub fn new() -> Self {
-        InflightTable { map: HashMap::with_hasher(Xxh3DefaultBuilder), order: VecDeque::new(), next_serial: 0 }
+        InflightTable { map: HashTable::new(), order: VecDeque::new(), next_serial: 0 }
     }
 
     pub fn len(&self) -> usize {
@@ -45,34 +75,72 @@ impl InflightTable {
     }
 
     pub fn contains(&self, id: &str) -> bool {
-        self.map.contains_key(id)
+        self.find(id_hash(id), id).is_some()
     }
 
+    fn find(&self, hash: u64, id: &str) -> Option<&Entry> {
+        self.map.find(hash, |e| e.hash == hash && *e.id == *id)
+    }
+
+    /// Whether `q` is the live request of its id (not completed or replaced since).
+    fn live(&self, q: &Queued) -> Option<&Inflight> {
+        self.map.find(q.hash, |e| Arc::ptr_eq(&e.id, &q.id)).map(|e| &e.f).filter(|f| f.serial == q.serial)
+    }
+
+    /// Add (or replace) the request `id`.
     pub fn insert(&mut self, id: &str, target: SlotRef, prefill: Option<SlotRef>, started_ms: u64, tokens: u64) {
         self.next_serial += 1;
         let serial = self.next_serial;
-        let key: Arc<str> = Arc::from(id);
-        self.order.push_back((serial, key.clone()));
-        self.map.insert(key, Inflight { target, prefill, started_ms, tokens, serial });
+        let hash = id_hash(id);
+        let f = Inflight { target, prefill, started_ms, tokens, serial };
+        let (key, replaced) = match self.map.find_mut(hash, |e| e.hash == hash && *e.id == *id) {
+            // Replaced: its queue entry goes stale (another serial).
+            Some(e) => {
+                let old = std::mem::replace(&mut e.f, f);
+                (e.id.clone(), Some(old.serial))
+            }
+            None => {
+                let key: Arc<str> = Arc::from(id);
+                self.map.insert_unique(hash, Entry { id: key.clone(), hash, f }, |e| e.hash);
+                (key, None)
+            }
+        };
+        self.order.push_back(Queued { serial, hash, started_ms, id: key });
         if self.order.len() > 2 * self.map.len() + 1024 {
-            let map = &self.map;
-            self.order.retain(|(serial, id)| map.get(id).is_some_and(|f| f.serial == *serial));
+            let mut order = std::mem::take(&mut self.order);
+            order.retain(|q| self.live(q).is_some());
+            self.order = order;
         }
-        self.trim_front();
+        if replaced.is_some() && self.order.front().map(|q| q.serial) == replaced {
+            self.trim_front();
+        }
     }
 
     pub fn remove(&mut self, id: &str) -> Option<Inflight> {
-        let f = self.map.remove(id);
-        self.trim_front();
-        f
+        self.remove_hashed(id_hash(id), id)
+    }
+
+    /// [`InflightTable::remove`] with the id's hash ([`id_hash`]) computed beforehand (outside
+    /// the lock).
+    pub fn remove_hashed(&mut self, hash: u64, id: &str) -> Option<Inflight> {
+        let f = match self.map.find_entry(hash, |e| e.hash == hash && *e.id == *id) {
+            Ok(e) => e.remove().0.f,
+            Err(_) => return None,
+        };
+        // Any other front is still live.
+        if self.order.front().is_some_and(|q| q.serial == f.serial) {
+            self.order.pop_front();
+            self.trim_front();
+        }
+        Some(f)
     }
 
     /// Drop stale entries (completed or replaced requests) from the front of the order queue,
-    /// so that its front is always the oldest live request (amortized O(1): each entry is
-    /// dropped once).
+    /// so that its front is the oldest live request again (amortized O(1): each entry is
+    /// dropped once). Every change that can make the front stale ends with it.
     fn trim_front(&mut self) {
-        while let Some((serial, id)) = self.order.front() {
-            if self.map.get(id).is_some_and(|f| f.serial == *serial) {
+        while let Some(q) = self.order.front() {
+            if self.live(q).is_some() {
                 break;
             }
             self.order.pop_front();
@@ -81,19 +149,15 @@ impl InflightTable {
 
     /// When the oldest request in flight started (the first one expiry would look at).
     pub fn oldest_started(&self) -> Option<u64> {
-        let (serial, id) = self.order.front()?;
-        match self.map.get(id) {
-            Some(f) if f.serial == *serial => Some(f.started_ms),
-            // Unreachable (the front is kept live); report it as due so expiry cleans up.
-            _ => Some(0),
-        }
+        let q = self.order.front()?;
+        debug_assert!(self.live(q).is_some(), "the front of the queue is live");
+        Some(q.started_ms)
     }
 
     /// Remove and return every request whose id satisfies `take` (a full scan: for rare events
     /// such as a replica's restart).
     pub fn drain_where(&mut self, take: impl Fn(&str) -> bool) -> Vec<Inflight> {
-        let ids: Vec<Arc<str>> = self.map.keys().filter(|id| take(id)).cloned().collect();
-        let out = ids.iter().filter_map(|id| self.map.remove(id)).collect();
+        let out = self.map.extract_if(|e| take(&e.id)).map(|e| e.f).collect();
         self.trim_front();
         out
     }
@@ -101,18 +165,21 @@ impl InflightTable {
     /// Remove and return the oldest request for which `take(request)` holds (it stops at the
     /// first live one for which it does not).
     pub fn pop_oldest_if(&mut self, take: impl Fn(&Inflight) -> bool) -> Option<Inflight> {
-        while let Some((serial, id)) = self.order.front() {
-            match self.map.get(id) {
-                Some(f) if f.serial == *serial => {
+        while let Some(q) = self.order.front() {
+            match self.live(q) {
+                Some(f) => {
                     if !take(f) {
                         return None;
                     }
-                    let id = id.clone();
+                    let (hash, id) = (q.hash, q.id.clone());
                     self.order.pop_front();
-                    return self.map.remove(&id);
+                    return match self.map.find_entry(hash, |e| Arc::ptr_eq(&e.id, &id)) {
+                        Ok(e) => Some(e.remove().0.f),
+                        Err(_) => None,
+                    };
                 }
                 // Completed (or replaced) since: a stale queue entry.
-                _ => {
+                None => {
                     self.order.pop_front();
                 }
             }
@@ -197,4 +264,120 @@ pub(super) fn session_key(req: &RouteRequest) -> Option<u64> {
         }
     }
     Some(h.digest())
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::{InflightTable, SlotRef};
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u8, u64),
+        Remove(u8),
+        /// Pop the oldest while it started before this time.
+        Expire(u64),
+        /// Drain the ids of this group (`id % 3`).
+        Drain(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0u8..24, 0u64..1000).prop_map(|(i, t)| Op::Insert(i, t)),
+            3 => (0u8..24).prop_map(Op::Remove),
+            1 => (0u64..1000).prop_map(Op::Expire),
+            1 => (0u8..3).prop_map(Op::Drain),
+        ]
+    }
+
+    fn id(i: u8) -> String {
+        format!("req-{}-{i}", i % 3)
+    }
+
+    /// The table against a model: the requests in flight in arrival order, a replaced request
+    /// moving to the back (it arrived again).
+    fn check(ops: &[Op]) -> Result<(), TestCaseError> {
+        let mut t = InflightTable::new();
+        let mut model: Vec<(String, u64)> = Vec::new();
+        let at = SlotRef { slot: 0, incarnation: 1 };
+        for op in ops {
+            match *op {
+                Op::Insert(i, started) => {
+                    t.insert(&id(i), at, None, started, u64::from(i));
+                    model.retain(|(m, _)| *m != id(i));
+                    model.push((id(i), started));
+                }
+                Op::Remove(i) => {
+                    let got = t.remove(&id(i)).map(|f| f.started_ms);
+                    let want = model.iter().position(|(m, _)| *m == id(i)).map(|p| model.remove(p).1);
+                    prop_assert_eq!(got, want);
+                }
+                Op::Expire(before) => loop {
+                    let got = t.pop_oldest_if(|f| f.started_ms < before).map(|f| (f.started_ms, f.tokens));
+                    let want = match model.first() {
+                        Some((m, s)) if *s < before => {
+                            let n = m.rsplit('-').next().and_then(|n| n.parse::<u64>().ok());
+                            let s = *s;
+                            model.remove(0);
+                            n.map(|n| (s, n))
+                        }
+                        _ => None,
+                    };
+                    prop_assert_eq!(got, want);
+                    if got.is_none() {
+                        break;
+                    }
+                },
+                Op::Drain(g) => {
+                    let prefix = format!("req-{g}-");
+                    let mut got: Vec<u64> = t.drain_where(|i| i.starts_with(&prefix)).iter().map(|f| f.tokens).collect();
+                    got.sort_unstable();
+                    let mut want: Vec<u64> = model
+                        .iter()
+                        .filter(|(m, _)| m.starts_with(&prefix))
+                        .filter_map(|(m, _)| m.rsplit('-').next().and_then(|n| n.parse().ok()))
+                        .collect();
+                    want.sort_unstable();
+                    model.retain(|(m, _)| !m.starts_with(&prefix));
+                    prop_assert_eq!(got, want);
+                }
+            }
+            prop_assert_eq!(t.len(), model.len());
+            prop_assert_eq!(t.oldest_started(), model.first().map(|(_, s)| *s));
+            for i in 0..24 {
+                prop_assert_eq!(t.contains(&id(i)), model.iter().any(|(m, _)| *m == id(i)));
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn the_table_keeps_arrival_order_through_replacements_and_removals(ops in prop::collection::vec(op(), 0..200)) {
+            check(&ops)?;
+        }
+    }
+
+    /// Enough replacements that the order queue compacts its stale entries (past twice the
+    /// table plus 1024) while the oldest request stays in front.
+    #[test]
+    fn the_order_queue_compacts_without_losing_the_oldest() {
+        let mut ops = vec![Op::Insert(23, 1)];
+        for k in 0..3000u64 {
+            ops.push(Op::Insert((k % 20) as u8, 10 + k));
+        }
+        ops.push(Op::Remove(23));
+        ops.push(Op::Expire(2000));
+        check(&ops).unwrap();
+        let mut t = InflightTable::new();
+        let at = SlotRef { slot: 0, incarnation: 1 };
+        for k in 0..5000u64 {
+            t.insert("same", at, None, k, 0);
+        }
+        assert!(t.order.len() <= 2 * t.map.len() + 1025, "{} queued for {} in flight", t.order.len(), t.map.len());
+        assert_eq!(t.oldest_started(), Some(4999));
+    }
 }

@@ -24,7 +24,10 @@ mod state;
 mod tests;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
+use crossbeam_utils::CachePadded;
 
 use arc_swap::ArcSwap;
 
@@ -47,7 +50,10 @@ use route::{inflight_due_at, prepare_keys, BooksView, DecideScratch, KeyBufs};
 
 /// The router. `Send + Sync`: share it behind an `Arc` and call it from any thread.
 ///
-/// A [`RouterCore`] behind a readers-writer lock, plus the policy in an [`ArcSwap`] cell: every
+/// A [`RouterCore`] behind a sharded readers-writer lock (`crossbeam-utils`' `ShardedLock`: a
+/// reader locks only its thread's shard, on a cache line of its own, so threads taking the
+/// shared lock write no common word; the exclusive lock takes every shard), plus the policy in
+/// an [`ArcSwap`] cell: every
 /// decision loads the policy once, so a decision is made entirely under one policy version, and
 /// [`Router::reload`] swaps it atomically. Request parsing, block hashing and tokenization happen
 /// outside the lock, into per-thread buffers. The decision then runs in two phases: the read
@@ -75,7 +81,7 @@ use route::{inflight_due_at, prepare_keys, BooksView, DecideScratch, KeyBufs};
 /// a writer. Events are decoded outside the lock.
 pub struct Router {
     policy: ArcSwap<ActivePolicy>,
-    core: RwLock<RouterCore>,
+    core: ShardedLock<RouterCore>,
     /// The core's books (requests in flight, ids, sessions, counters, draws, time), kept here
     /// so that decisions and completions can book under the shared lock; [`Router::lock`] puts
     /// them back into the core for every call under the exclusive one (the core then holds no
@@ -126,10 +132,13 @@ struct BooksCell {
     draws: AtomicU64,
     /// When the oldest request in flight started at the last unlock (`u64::MAX`: none).
     oldest_started: AtomicU64,
-    /// The latest `now` of the events applied since the books were last locked (0: none), for
-    /// `Books::last_now_ms`: event application (beside decisions) does not take the books'
-    /// mutex, and the next holder takes it into account as the events would have.
-    events_now: AtomicU64,
+    /// The latest `now` of the events applied beside decisions (0: none), for
+    /// `Books::last_now_ms`: event application does not take the books' mutex, and every holder
+    /// takes it into account as the events would have (`last_now_ms` only moves forward, so
+    /// folding it in again changes nothing). Never reset, so an event thread writes it only
+    /// when its time moves, and on a line of its own: the lookups that lock the books only
+    /// read it.
+    events_now: CachePadded<AtomicU64>,
 }
 
 impl BooksCell {
@@ -138,7 +147,7 @@ impl BooksCell {
             books: Mutex::new(books),
             draws: AtomicU64::new(0),
             oldest_started: AtomicU64::new(0),
-            events_now: AtomicU64::new(0),
+            events_now: CachePadded::new(AtomicU64::new(0)),
         };
         drop(cell.lock());
         cell
@@ -147,11 +156,8 @@ impl BooksCell {
     /// The books, locked until the guard drops (which publishes them).
     fn lock(&self) -> BooksGuard<'_> {
         let mut books = self.books.lock().unwrap_or_else(PoisonError::into_inner);
-        // Read first: the line stays shared while no events come.
-        if self.events_now.load(Ordering::Relaxed) != 0 {
-            let now = self.events_now.swap(0, Ordering::Relaxed);
-            books.last_now_ms = books.last_now_ms.max(now);
-        }
+        // Only read: the line stays shared until events at a later time come.
+        books.last_now_ms = books.last_now_ms.max(self.events_now.load(Ordering::Relaxed));
         BooksGuard { books, cell: self }
     }
 
@@ -207,11 +213,11 @@ struct CoreMut<'a> {
     /// Declared first, so dropped first: the books, back in the cell, are published and
     /// unlocked before the exclusive lock is released.
     cell: BooksGuard<'a>,
-    core: RwLockWriteGuard<'a, RouterCore>,
+    core: ShardedLockWriteGuard<'a, RouterCore>,
 }
 
 impl<'a> CoreMut<'a> {
-    fn new(mut core: RwLockWriteGuard<'a, RouterCore>, mut books: BooksGuard<'a>) -> Self {
+    fn new(mut core: ShardedLockWriteGuard<'a, RouterCore>, mut books: BooksGuard<'a>) -> Self {
         std::mem::swap(&mut core.books, &mut *books);
         CoreMut { cell: books, core }
     }
@@ -246,7 +252,7 @@ impl From<RouterCore> for Router {
         core.kv = core.kv.into_shared(two);
         Router {
             policy: ArcSwap::new(core.policy().clone()),
-            core: RwLock::new(core),
+            core: ShardedLock::new(core),
             books: BooksCell::new(books),
             #[cfg(feature = "tokenizer")]
             tokenizer: arc_swap::ArcSwapOption::empty(),
@@ -275,7 +281,7 @@ impl Router {
 
     /// The core under the shared lock, without its books (they are in `self.books`): only for
     /// calls that do not read them (the decision's and completion's shared paths take both).
-    fn read(&self) -> RwLockReadGuard<'_, RouterCore> {
+    fn read(&self) -> ShardedLockReadGuard<'_, RouterCore> {
         self.core.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -390,11 +396,13 @@ impl Router {
 
     /// The request finished (response fully sent or failed): release its in-flight counters.
     pub fn complete(&self, request_id: &str) -> Result<(), StateError> {
+        // Hashed before any lock is taken.
+        let hash = inflight::id_hash(request_id);
         {
             let core = self.read();
             // The request leaves the books under their lock; its endpoints' loads (atomic
             // counters, changed only after the booking that added to them) after it.
-            let taken = core.complete_shared(&mut self.books(), request_id);
+            let taken = core.complete_shared(&mut self.books(), request_id, hash);
             if let Some(taken) = taken {
                 return taken.map(|f| core.release(&f));
             }

@@ -436,7 +436,7 @@ impl RouterCore {
     /// The state changes that come due with time before a decision at `now_ms` reads the state:
     /// requests in flight past the timeout are dropped, speculation past its deadline withdrawn.
     pub(crate) fn maintain(&mut self, active: &ActivePolicy, now_ms: u64) {
-        self.books.last_now_ms = now_ms;
+        self.books.last_now_ms = self.books.last_now_ms.max(now_ms);
         self.expire_inflight(now_ms, active.policy.config().limits.inflight_timeout_ms);
         self.kv.expire(now_ms);
     }
@@ -868,7 +868,7 @@ impl RouterCore {
         };
         // `maintain` at `now_ms`, with nothing due: only the latest time seen and the
         // speculation's clock move.
-        books.last_now_ms = now_ms;
+        books.last_now_ms = books.last_now_ms.max(now_ms);
         self.kv.observe_clock(now_ms);
         books.draws = books.draws.wrapping_add(1);
         if keys.tokenize_failed {

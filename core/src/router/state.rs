@@ -398,11 +398,18 @@ impl RouterCore {
     /// which needs the exclusive lock; otherwise the request leaves the books, and the caller
     /// takes it off its endpoints' loads ([`RouterCore::release`]), which needs no lock of the
     /// books.
-    pub(super) fn complete_shared(&self, books: &mut Books, request_id: &str) -> Option<Result<Inflight, StateError>> {
+    ///
+    /// `hash`: the id's [`id_hash`](super::inflight::id_hash), computed before the books' lock.
+    pub(super) fn complete_shared(
+        &self,
+        books: &mut Books,
+        request_id: &str,
+        hash: u64,
+    ) -> Option<Result<Inflight, StateError>> {
         if self.replica.as_ref().is_some_and(|r| r.cfg.publish) {
             return None;
         }
-        Some(take_request(books, request_id))
+        Some(books.inflight.remove_hashed(hash, request_id).ok_or_else(|| unknown_request(request_id)))
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine and apply it to the precise
@@ -540,7 +547,11 @@ fn release_request(endpoints: &EndpointTable, books: &mut Books, request_id: &st
 
 /// Take request `request_id` out of `books` (its endpoints' loads are the caller's).
 fn take_request(books: &mut Books, request_id: &str) -> Result<Inflight, StateError> {
-    books.inflight.remove(request_id).ok_or_else(|| StateError::UnknownRequest { request_id: request_id.to_owned() })
+    books.inflight.remove(request_id).ok_or_else(|| unknown_request(request_id))
+}
+
+fn unknown_request(request_id: &str) -> StateError {
+    StateError::UnknownRequest { request_id: request_id.to_owned() }
 }
 
 /// Take `f`'s request off its endpoints' loads.

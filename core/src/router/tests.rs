@@ -189,7 +189,7 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 /// and nothing else needs the exclusive lock; otherwise the plan comes back unapplied.
 /// A completion as a `Router` makes it on the shared path: off the books, then off the loads.
 fn complete_shared(core: &RouterCore, books: &mut Books, request_id: &str) {
-    let Some(Ok(f)) = core.complete_shared(books, request_id) else { panic!("{request_id} not in flight") };
+    let Some(Ok(f)) = core.complete_shared(books, request_id, super::inflight::id_hash(request_id)) else { panic!("{request_id} not in flight") };
     core.release(&f);
 }
 
@@ -235,7 +235,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     );
     // Completing it again (or any id not in flight) is a typed error that changes nothing.
     assert!(matches!(
-        core.complete_shared(&mut books, &shared.request_id),
+        core.complete_shared(&mut books, &shared.request_id, super::inflight::id_hash(&shared.request_id)),
         Some(Err(StateError::UnknownRequest { .. }))
     ));
     assert_eq!((load(&core), books.inflight.len()), (released, 0));
