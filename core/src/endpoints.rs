@@ -262,7 +262,17 @@ pub(crate) struct EndpointTable {
     /// Ids in `order`'s order, shared with every decision (one reference count per decision
     /// instead of one per endpoint).
     roster: Arc<[Arc<str>]>,
+    /// Changes with every change of `roster`, unique in the process (see [`roster_version`]).
+    roster_version: u64,
     incarnations: u32,
+}
+
+/// Roster versions: unique in the process, so that a thread's copy of a roster (the decision
+/// scratch's) is never taken for another router's.
+static ROSTER_VERSIONS: AtomicU64 = AtomicU64::new(1);
+
+fn roster_version() -> u64 {
+    ROSTER_VERSIONS.fetch_add(1, Relaxed)
 }
 
 impl Default for EndpointTable {
@@ -272,6 +282,7 @@ impl Default for EndpointTable {
             by_id: BTreeMap::new(),
             order: Vec::new(),
             roster: Arc::from(Vec::new()),
+            roster_version: roster_version(),
             incarnations: 0,
         }
     }
@@ -314,6 +325,11 @@ impl EndpointTable {
     /// Ids in id order (aligned with `order`).
     pub fn roster(&self) -> &Arc<[Arc<str>]> {
         &self.roster
+    }
+
+    /// The roster's version: equal versions, equal rosters (unique in the process).
+    pub fn roster_version(&self) -> u64 {
+        self.roster_version
     }
 
     /// Insert a new endpoint in a free slot accepted by `reusable` (or a fresh one); returns the
@@ -360,6 +376,7 @@ impl EndpointTable {
         self.order.clear();
         self.order.extend(self.by_id.values().copied());
         self.roster = self.by_id.keys().cloned().collect();
+        self.roster_version = roster_version();
     }
 }
 

@@ -131,6 +131,26 @@ pub(crate) struct DecideScratch {
     pcands: Vec<usize>,
     /// The roster has an endpoint with role prefill.
     prefill_pool: bool,
+    /// A copy of the roster (the ids reallocated) and its version, for the decisions made with
+    /// this scratch: a decision holds the roster and its target's id, so with the table's own
+    /// `Arc`s every decision on every thread would write the same reference counts (twice: a
+    /// clone, then the caller's drop). Threads have a scratch each.
+    roster: Option<(u64, Arc<[Arc<str>]>)>,
+}
+
+impl DecideScratch {
+    /// `table`'s roster, as this scratch's copy (made again when the roster changes).
+    fn roster_of(&mut self, table: &EndpointTable) -> Arc<[Arc<str>]> {
+        let version = table.roster_version();
+        match &self.roster {
+            Some((v, r)) if *v == version => Arc::clone(r),
+            _ => {
+                let r: Arc<[Arc<str>]> = table.roster().iter().map(|id| Arc::from(&**id)).collect();
+                self.roster = Some((version, Arc::clone(&r)));
+                r
+            }
+        }
+    }
 }
 
 /// The read phase's result: everything the decision reads from the state, for the write phase
@@ -184,6 +204,8 @@ struct Features {
     approx_valid: bool,
     precise_valid: bool,
     roster: Arc<[Arc<str>]>,
+    /// The roster's version ([`EndpointTable::roster_version`]): the plan is stale when it moved.
+    roster_version: u64,
     /// `scores[i]` belongs to `roster[i]`; `DecideScratch::slots[i]` is its slot.
     scores: Vec<EndpointScore>,
     /// Mean saturation of the healthy decode-capable endpoints.
@@ -561,7 +583,7 @@ impl RouterCore {
         s: &mut DecideScratch,
     ) -> Result<Decision, RouteError> {
         self.maintain(active, now_ms);
-        let plan = if plan.epoch == self.epoch && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster()) {
+        let plan = if plan.epoch == self.epoch && plan.f.roster_version == self.endpoints.roster_version() {
             plan
         } else {
             self.plan(Some(&*self.kv.read()), self.books.view(req), active, req, keys, now_ms, s)
@@ -649,7 +671,8 @@ impl RouterCore {
         let per_block = |n: usize| if n == 0 { 0.0 } else { 1.0 / n as f64 };
         let (approx_per_block, precise_per_block) =
             (per_block(keys.hit_blocks()), per_block(bufs.precise.hit_blocks()));
-        let roster = self.endpoints.roster().clone();
+        let roster = s.roster_of(&self.endpoints);
+        let roster_version = self.endpoints.roster_version();
         let mut scores: Vec<EndpointScore> = Vec::with_capacity(roster.len());
         let order = self.endpoints.order();
         s.slots.clear();
@@ -741,6 +764,7 @@ impl RouterCore {
             approx_valid,
             precise_valid,
             roster,
+            roster_version,
             scores,
             saturation,
             draws,
@@ -848,7 +872,7 @@ impl RouterCore {
         let shared_kv = self.kv.copies() == 2;
         let (approx_quiet, precise_quiet) = plan.quiet;
         let current = plan.epoch == self.epoch
-            && Arc::ptr_eq(&plan.f.roster, self.endpoints.roster())
+            && plan.f.roster_version == self.endpoints.roster_version()
             && approx_quiet
             && (precise_quiet || shared_kv)
             && plan.writes == (self.index.writes(), self.kv.writes());

@@ -495,3 +495,34 @@ mod precise_copies {
         assert_eq!(st.copies, 2);
     }
 }
+
+/// A thread's decisions hold its own copy of the roster (no reference count shared with other
+/// threads), made again whenever the roster changes, and never another router's.
+#[test]
+fn a_threads_roster_copy_follows_the_roster_of_the_router_it_decides_for() {
+    let ids = |d: &Decision| d.endpoints.iter().map(|e| e.to_string()).collect::<Vec<_>>();
+    let a = router();
+    let b = Router::default();
+    b.upsert_endpoint(EndpointSpec::new("10.0.9.1:8000", Role::Decode)).unwrap();
+    let req = RouteRequest::text("m", &"y".repeat(1024));
+    let da = a.route(&req, 0).unwrap();
+    assert_eq!(ids(&da), ["10.0.0.1:8000", "10.0.0.2:8000"]);
+    // The table's own ids are not the decision's (the copy's are), and the copy is reused.
+    let table = a.read().endpoints.roster().clone();
+    assert!(!Arc::ptr_eq(&da.endpoints, &table) && !Arc::ptr_eq(&da.endpoints[0], &table[0]));
+    let again = a.route(&req, 1).unwrap();
+    assert!(Arc::ptr_eq(&da.endpoints, &again.endpoints));
+    // The same thread, another router: that router's roster.
+    let db = b.route(&req, 2).unwrap();
+    assert_eq!((ids(&db), db.endpoint()), (vec!["10.0.9.1:8000".to_string()], Some("10.0.9.1:8000")));
+    // Endpoints added and removed: the next decision sees the new roster.
+    a.upsert_endpoint(EndpointSpec::new("10.0.0.3:8000", Role::Decode)).unwrap();
+    a.remove_endpoint("10.0.0.1:8000").unwrap();
+    let d = a.route(&req, 3).unwrap();
+    assert_eq!(ids(&d), ["10.0.0.2:8000", "10.0.0.3:8000"]);
+    assert!(d.endpoint().is_some_and(|e| e != "10.0.0.1:8000"));
+    for d in [da, again, db, d] {
+        let r = if d.endpoints.len() == 1 { &b } else { &a };
+        r.complete(&d.request_id).unwrap();
+    }
+}
