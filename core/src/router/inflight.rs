@@ -331,7 +331,8 @@ mod tests {
                 },
                 Op::Drain(g) => {
                     let prefix = format!("req-{g}-");
-                    let mut got: Vec<u64> = t.drain_where(|i| i.starts_with(&prefix)).iter().map(|f| f.tokens).collect();
+                    let mut got: Vec<u64> =
+                        t.drain_where(|i| i.starts_with(&prefix)).iter().map(|f| f.tokens).collect();
                     got.sort_unstable();
                     let mut want: Vec<u64> = model
                         .iter()

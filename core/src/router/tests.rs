@@ -189,7 +189,9 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 /// and nothing else needs the exclusive lock; otherwise the plan comes back unapplied.
 /// A completion as a `Router` makes it on the shared path: off the books, then off the loads.
 fn complete_shared(core: &RouterCore, books: &mut Books, request_id: &str) {
-    let Some(Ok(f)) = core.complete_shared(books, request_id, super::inflight::id_hash(request_id)) else { panic!("{request_id} not in flight") };
+    let Some(Ok(f)) = core.complete_shared(books, request_id, super::inflight::id_hash(request_id)) else {
+        panic!("{request_id} not in flight")
+    };
     core.release(&f);
 }
 
