@@ -146,7 +146,7 @@ for t in "${TESTS[@]}"; do
   gcc "${CFLAGS[@]}" -O1 -o "$OUT/plain/$t" "ffi/tests/$t.c" $SHARED $CJSON -lzmq -lpthread -lm
 done
 # Suppressions (ffi/tests/valgrind.supp, reasons there): only "possibly lost" process-lifetime
-# allocations of Rust std and minijinja, never kvroute's own blocks.
+# allocations of Rust std, minijinja and crossbeam-utils, never kvroute's own blocks.
 # --fair-sched=yes: valgrind runs one thread at a time; its fair lock hands the CPU round-robin
 # instead of back to the thread that just released it (the threads and flow tests hammer the
 # router's locks from several threads).
