@@ -173,10 +173,13 @@ impl InflightTable {
                     }
                     let (hash, id) = (q.hash, q.id.clone());
                     self.order.pop_front();
-                    return match self.map.find_entry(hash, |e| Arc::ptr_eq(&e.id, &id)) {
+                    let f = match self.map.find_entry(hash, |e| Arc::ptr_eq(&e.id, &id)) {
                         Ok(e) => Some(e.remove().0.f),
                         Err(_) => None,
                     };
+                    // The next one may have left already: the front stays live.
+                    self.trim_front();
+                    return f;
                 }
                 // Completed (or replaced) since: a stale queue entry.
                 None => {
@@ -280,6 +283,8 @@ mod tests {
         Expire(u64),
         /// Drain the ids of this group (`id % 3`).
         Drain(u8),
+        /// Pop the oldest once, whatever it is (the table's size bound).
+        PopOldest,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -288,6 +293,7 @@ mod tests {
             3 => (0u8..24).prop_map(Op::Remove),
             1 => (0u64..1000).prop_map(Op::Expire),
             1 => (0u8..3).prop_map(Op::Drain),
+            1 => Just(Op::PopOldest),
         ]
     }
 
@@ -329,6 +335,11 @@ mod tests {
                         break;
                     }
                 },
+                Op::PopOldest => {
+                    let got = t.pop_oldest_if(|_| true).map(|f| f.started_ms);
+                    let want = (!model.is_empty()).then(|| model.remove(0).1);
+                    prop_assert_eq!(got, want);
+                }
                 Op::Drain(g) => {
                     let prefix = format!("req-{g}-");
                     let mut got: Vec<u64> =
