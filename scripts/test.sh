@@ -32,6 +32,10 @@ NOT_PY="--exclude kvroute-py"
 step "format check"
 cargo fmt --all -- --check
 
+step "lock files current (the workspace's, and core/fuzz's: a separate workspace whose lock file a new core dependency must reach too)"
+cargo metadata --locked --offline --format-version 1 >/dev/null
+cargo metadata --locked --offline --format-version 1 --manifest-path core/fuzz/Cargo.toml >/dev/null
+
 step "clippy (warnings denied; libs, bins, tests, benches; default and native features)"
 cargo clippy --workspace $NOT_PY --all-targets --locked -- -D warnings
 cargo clippy -p kvroute --features "$FEATURES" --all-targets --locked -- -D warnings
