@@ -259,10 +259,9 @@ pub(crate) struct EndpointTable {
     slots: Vec<Option<EndpointState>>,
     by_id: BTreeMap<Arc<str>, u16>,
     order: Vec<u16>,
-    /// Ids in `order`'s order, shared with every decision (one reference count per decision
-    /// instead of one per endpoint).
-    roster: Arc<[Arc<str>]>,
-    /// Changes with every change of `roster`, unique in the process (see [`roster_version`]).
+    /// Changes with every change of the ids (`by_id`), unique in the process (see
+    /// [`roster_version`]): a decision scratch's copy of the ids (its roster) is current while
+    /// the version it was made at is.
     roster_version: u64,
     incarnations: u32,
 }
@@ -281,7 +280,6 @@ impl Default for EndpointTable {
             slots: Vec::new(),
             by_id: BTreeMap::new(),
             order: Vec::new(),
-            roster: Arc::from(Vec::new()),
             roster_version: roster_version(),
             incarnations: 0,
         }
@@ -323,11 +321,11 @@ impl EndpointTable {
     }
 
     /// Ids in id order (aligned with `order`).
-    pub fn roster(&self) -> &Arc<[Arc<str>]> {
-        &self.roster
+    pub fn ids(&self) -> impl ExactSizeIterator<Item = &Arc<str>> + '_ {
+        self.by_id.keys()
     }
 
-    /// The roster's version: equal versions, equal rosters (unique in the process).
+    /// The version of the ids: equal versions, equal ids (unique in the process).
     pub fn roster_version(&self) -> u64 {
         self.roster_version
     }
@@ -375,7 +373,6 @@ impl EndpointTable {
     fn rebuild_order(&mut self) {
         self.order.clear();
         self.order.extend(self.by_id.values().copied());
-        self.roster = self.by_id.keys().cloned().collect();
         self.roster_version = roster_version();
     }
 }

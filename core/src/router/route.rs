@@ -131,10 +131,10 @@ pub(crate) struct DecideScratch {
     pcands: Vec<usize>,
     /// The roster has an endpoint with role prefill.
     prefill_pool: bool,
-    /// A copy of the roster (the ids reallocated) and its version, for the decisions made with
-    /// this scratch: a decision holds the roster and its target's id, so with the table's own
-    /// `Arc`s every decision on every thread would write the same reference counts (twice: a
-    /// clone, then the caller's drop). Threads have a scratch each.
+    /// The roster (the endpoint table's ids, reallocated) and the ids' version, for the
+    /// decisions made with this scratch: a decision holds the roster and its target's id, so with
+    /// one roster for all, every decision on every thread would write the same reference counts
+    /// (twice: a clone, then the caller's drop). Threads have a scratch each.
     roster: Option<(u64, Arc<[Arc<str>]>)>,
 }
 
@@ -145,7 +145,7 @@ impl DecideScratch {
         match &self.roster {
             Some((v, r)) if *v == version => Arc::clone(r),
             _ => {
-                let r: Arc<[Arc<str>]> = table.roster().iter().map(|id| Arc::from(&**id)).collect();
+                let r: Arc<[Arc<str>]> = table.ids().map(|id| Arc::from(&**id)).collect();
                 self.roster = Some((version, Arc::clone(&r)));
                 r
             }
@@ -869,7 +869,7 @@ impl RouterCore {
         s: &DecideScratch,
     ) -> Result<SharedBooking, Plan> {
         // Speculation is written beside lookups only into two copies.
-        let shared_kv = self.kv.copies() == 2;
+        let shared_kv = self.kv.shared();
         let (approx_quiet, precise_quiet) = plan.quiet;
         let current = plan.epoch == self.epoch
             && plan.f.roster_version == self.endpoints.roster_version()
