@@ -18,7 +18,7 @@
 //!   a group of [`GROUP`] buckets per step (two SSE2 compares on x86_64): one step finds the
 //!   first empty bucket and the tag matches before it, where bucket-by-bucket probing would take
 //!   a branch per bucket (a miss probes several at high load). Sizes are multiples of the group.
-//!   A bucket is `tag << pos_bits | (pos + 1)` (0: empty): `pos_bits` (16 to 27) as the arena's
+//!   A bucket is `tag << pos_bits | (pos + 1)` (0: empty): `pos_bits` (20 to 27) as the arena's
 //!   size needs, the rest a tag from the key's mix, so a probe step that is not the key is
 //!   almost always told apart without reading the arena (at 4M blocks, 10 tag bits).
 //! - **postings**: a head with the top bit clear is the single record itself; with the top bit
@@ -156,7 +156,7 @@ pub(crate) struct BlockStore {
     buckets: Vec<u32>,
     /// Low bits of a bucket holding `pos + 1`; the high `32 - pos_bits` hold a tag of the key
     /// (as many as the arena's size leaves, so a probe step that is not the key is almost
-    /// never told apart by reading the arena). Grows with the arena (a rebuild).
+    /// never told apart by reading the arena). Grows with the arena, in place (`widen`).
     pos_bits: u32,
     /// Live blocks (positions with a non-zero head).
     len: usize,
@@ -181,6 +181,12 @@ impl BlockStore {
             free: [NONE; CLASSES],
             build: Vec::new(),
         }
+    }
+
+    /// An empty store whose buckets start with `pos_bits` position bits (tests: widening).
+    #[cfg(test)]
+    fn with_pos_bits(pos_bits: u32) -> Self {
+        BlockStore { pos_bits, ..Self::new() }
     }
 
     /// A copy with the same capacities (see `PrefixIndex::twin`).
@@ -563,9 +569,8 @@ impl BlockStore {
             return None;
         }
         if pos + 2 > 1 << self.pos_bits {
-            // Positions outgrow their bits: two more (the tags lose two), and a rebuild.
-            self.pos_bits = (self.pos_bits + 2).min(MAX_POS_BITS);
-            self.rebuild(self.buckets.len());
+            // Positions outgrow their bits: two more, taken from the tags.
+            self.widen();
         }
         if (self.len + 1) * 8 > self.buckets.len() * 7 {
             let n = self.buckets.len() + self.buckets.len() / 2;
@@ -594,6 +599,24 @@ impl BlockStore {
             from = 0;
         };
         self.buckets[i] = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
+    }
+
+    /// Two more bits for positions in every bucket, taken from the tag's low end. A tag is the
+    /// key's mix shifted right by the position bits, so the narrower tag is the old one shifted
+    /// by two: every block stays in its bucket and no key is read (a rebuild would move every
+    /// block, at a cache miss each on a large table).
+    #[cold]
+    #[inline(never)]
+    fn widen(&mut self) {
+        let old = self.pos_bits;
+        let new = (old + 2).min(MAX_POS_BITS);
+        let mask = (1u32 << old) - 1;
+        for b in &mut self.buckets {
+            if *b != 0 {
+                *b = ((*b >> old) >> (new - old) << new) | (*b & mask);
+            }
+        }
+        self.pos_bits = new;
     }
 
     /// Rebuild the table with `n` buckets from the arena.
@@ -872,6 +895,37 @@ mod tests {
         assert_eq!(t.find(1), None);
         t.delete(11);
         assert_eq!(t.find_after(10, 77), None, "a free position is not a successor");
+        t.check_refs();
+    }
+
+    /// Positions outgrowing their bits widen every bucket in place: every key stays findable
+    /// (through `find_or_insert` and `insert`), tags stay those of the wider buckets (a probe
+    /// compares them), deletions still find their bucket, and no key is duplicated.
+    #[test]
+    fn widening_position_bits_keeps_every_key() {
+        let mut t = BlockStore::with_pos_bits(8);
+        let key = |k: u64| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5a5a;
+        for k in 0..3000u64 {
+            let (p, born) = if k % 2 == 0 { t.find_or_insert(key(k), 0x80) } else { (t.insert(key(k), 0x80), true) };
+            assert_eq!((p, born), (Some(k as usize), true), "key {k}");
+            if k % 97 == 0 {
+                for j in 0..=k {
+                    assert_eq!(t.find(key(j)), Some(j as usize), "key {j} after {k} inserts ({} bits)", t.pos_bits);
+                }
+            }
+        }
+        assert_eq!(t.pos_bits, 12, "8 → 10 → 12 bits");
+        assert_eq!(t.find_or_insert(key(17), 0x80), (Some(17), false), "found, not stored again");
+        for b in t.buckets.iter().filter(|&&b| b != 0) {
+            let pos = (b & ((1 << t.pos_bits) - 1)) as usize - 1;
+            assert_eq!(b >> t.pos_bits, tag_of(mix64(t.keys[pos]), t.pos_bits), "the wider tag of position {pos}");
+        }
+        for k in (0..3000u64).step_by(3) {
+            t.delete(k as usize);
+        }
+        for k in 0..3000u64 {
+            assert_eq!(t.find(key(k)), (k % 3 != 0).then_some(k as usize));
+        }
         t.check_refs();
     }
 
