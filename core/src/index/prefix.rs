@@ -3,7 +3,7 @@
 //!
 //! The module is private: its full description is the documentation of [`PrefixIndex`].
 
-use super::store::{BlockStore, EMPTY};
+use super::store::{mix64, BlockStore, EMPTY};
 use crate::approx::{BlockKey, RequestKeys};
 use crate::config::TierWeights;
 use crate::precise::events::Medium;
@@ -26,6 +26,7 @@ pub const MAX_SLOTS: usize = 1 << 12;
 const SWEEP_DIVISOR: usize = 16_384;
 /// How many keys ahead a walk prefetches table buckets.
 const PREFETCH: usize = 12;
+const _: () = assert!(PREFETCH < 16, "a prefetched key's mix waits in a ring of 16 (touch_all)");
 /// Tables smaller than this (in buckets) stay in cache: no prefetching.
 const PREFETCH_MIN_BUCKETS: usize = 1 << 18;
 /// A position that could not be stored (the arena is full).
@@ -900,6 +901,10 @@ impl PrefixIndex {
         let born_head = if one_piece { ((slot as u32) << SLOT_SHIFT) | stamp | tier } else { EMPTY };
         let mut born = 0u32;
         let mut last: Option<usize> = None;
+        // The mixes of the keys prefetched, by key index (each key is mixed once: for its
+        // prefetch, then its probe); a key skipped by a run was not, and is mixed when probed.
+        const MIXED: usize = 16;
+        let mut mixed = [(usize::MAX, 0u64); MIXED];
         let mut i = 0;
         while i < keys.len() {
             if let Some(p) = last {
@@ -914,10 +919,16 @@ impl PrefixIndex {
             let key = keys[i];
             if prefetch {
                 if let Some(&ahead) = keys.get(i + PREFETCH) {
-                    self.store.prefetch(ahead);
+                    let m = mix64(ahead);
+                    mixed[(i + PREFETCH) % MIXED] = (i + PREFETCH, m);
+                    self.store.prefetch_mixed(m);
                 }
             }
-            let (pos, new) = self.store.find_or_insert(key, born_head);
+            let mix = match mixed[i % MIXED] {
+                (at, m) if at == i => m,
+                _ => mix64(key),
+            };
+            let (pos, new) = self.store.find_or_insert_mixed(key, mix, born_head);
             match pos {
                 Some(p) if new && one_piece => {
                     positions.push(p as u32 | BORN);

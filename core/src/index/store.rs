@@ -45,9 +45,9 @@ pub(crate) const MAX_POSITIONS: usize = (1 << MAX_POS_BITS) - 2;
 /// A permanent empty chunk: the head of a position inserted before its first record is set.
 pub(crate) const EMPTY: u32 = CHUNK_FLAG;
 
-/// splitmix64's finalizer: a bijective mix.
+/// splitmix64's finalizer: a bijective mix (of a block key: where it lives in the table).
 #[inline]
-fn mix64(mut x: u64) -> u64 {
+pub(crate) fn mix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
@@ -236,12 +236,12 @@ impl BlockStore {
         }
     }
 
-    /// Hint the CPU to load `key`'s home bucket (callers walking a key sequence prefetch a few
-    /// keys ahead so the cache misses of a large table overlap instead of queueing).
+    /// Hint the CPU to load the home bucket of the key whose [`mix64`] is `mix` (callers walking
+    /// a key sequence prefetch a few keys ahead so the cache misses of a large table overlap
+    /// instead of queueing).
     #[inline]
-    pub(crate) fn prefetch(&self, key: u64) {
-        let i = self.home(mix64(key));
-        prefetch_read(self.buckets.as_ptr().wrapping_add(i).cast());
+    pub(crate) fn prefetch_mixed(&self, mix: u64) {
+        prefetch_read(self.buckets.as_ptr().wrapping_add(self.home(mix)).cast());
     }
 
     /// Buckets in the table.
@@ -515,14 +515,20 @@ impl BlockStore {
         }
     }
 
-    /// The position of `key`, or, when absent, a new position for it at the end of the arena
-    /// holding `head` (one probe for both: the probe that missed ends on the bucket the key
-    /// takes). Returns `(position, born)`; `(None, false)` when the key is new and the arena is
-    /// full ([`MAX_POSITIONS`]).
-    #[inline]
+    /// [`BlockStore::find_or_insert_mixed`], mixing `key` itself.
+    #[cfg(test)]
     pub(crate) fn find_or_insert(&mut self, key: u64, head: u32) -> (Option<usize>, bool) {
-        debug_assert!(head != 0);
-        let mix = mix64(key);
+        self.find_or_insert_mixed(key, mix64(key), head)
+    }
+
+    /// The position of `key` (whose [`mix64`] is `mix`: callers mix a key once, to prefetch its
+    /// bucket), or, when absent, a new position for it at the end of the arena holding `head`
+    /// (one probe for both: the probe that missed ends on the bucket the key takes). Returns
+    /// `(position, born)`; `(None, false)` when the key is new and the arena is full
+    /// ([`MAX_POSITIONS`]).
+    #[inline]
+    pub(crate) fn find_or_insert_mixed(&mut self, key: u64, mix: u64, head: u32) -> (Option<usize>, bool) {
+        debug_assert!(head != 0 && mix == mix64(key));
         let i = match self.probe(key, mix) {
             Ok(pos) => return (Some(pos), false),
             Err(i) => i,
@@ -582,7 +588,12 @@ impl BlockStore {
     }
 
     fn place(&mut self, key: u64, pos: usize) {
-        let mix = mix64(key);
+        self.place_mixed(mix64(key), pos);
+    }
+
+    /// [`BlockStore::place`] of a key whose mix is `mix`.
+    #[inline(always)]
+    fn place_mixed(&mut self, mix: u64, pos: usize) {
         let home = self.home(mix);
         let mut base = home & !(GROUP - 1);
         let mut from = (home - base) as u32;
@@ -623,17 +634,26 @@ impl BlockStore {
     fn rebuild(&mut self, n: usize) {
         self.buckets = Vec::new();
         self.buckets = vec![0; n.max(MIN_BUCKETS).next_multiple_of(GROUP)];
-        // Homes a few positions ahead are prefetched: a large table's misses then overlap.
+        // Homes a few positions ahead are prefetched: a large table's misses then overlap. Each
+        // key is mixed once, for its prefetch; the mixes wait in a ring until placed.
         const AHEAD: usize = 16;
         let prefetch = self.buckets.len() >= 1 << 16;
-        for pos in 0..self.keys.len() {
-            if prefetch {
-                if let Some(&ahead) = self.keys.get(pos + AHEAD) {
-                    self.prefetch(ahead);
+        let len = self.keys.len();
+        let mut ahead = [0u64; AHEAD];
+        for (m, &key) in ahead.iter_mut().zip(&self.keys) {
+            *m = mix64(key);
+        }
+        for pos in 0..len {
+            let mix = ahead[pos % AHEAD];
+            if let Some(&key) = self.keys.get(pos + AHEAD) {
+                let m = mix64(key);
+                ahead[pos % AHEAD] = m;
+                if prefetch {
+                    prefetch_read(self.buckets.as_ptr().wrapping_add(self.home(m)).cast());
                 }
             }
             if self.heads[pos] != 0 {
-                self.place(self.keys[pos], pos);
+                self.place_mixed(mix, pos);
             }
         }
     }
