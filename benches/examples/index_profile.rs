@@ -14,7 +14,8 @@
 //!
 //! Environment: `W` endpoints (64 or 512; default 64), `PART` (`apply`: builds only; `find`:
 //! one build, then lookups; `worst`: one build, printing its highest bytes per membership from a
-//! tenth of the build on; default apply and find), `RUNS` builds (default 5; `find`: 1), `ITERS`
+//! tenth of the build on; `churn`: one build, then fresh chains at capacity, the steady state of
+//! eviction, deletion and compaction, timing its second half; default apply and find), `RUNS` builds (default 5; `find`: 1), `ITERS`
 //! lookups (default 2,000,000), `STATS` (with `find`: first prints each probe's matching
 //! endpoints and their distinct match lengths).
 #![allow(clippy::print_stdout)]
@@ -80,6 +81,37 @@ fn main() {
             }
         }
         println!("W={w} worst {worst:.2} B/membership at {at} of {} memberships", wl.memberships());
+        return;
+    }
+    if part == "churn" {
+        // Steady state: the build, then fresh 96-block chains stored round the endpoints until
+        // every endpoint has stored twice its capacity (its generations evict, the sweeper
+        // deletes, the arena compacts), timing the second half.
+        let mut ix = build();
+        let chains = 2 * shape.capacity_per_endpoint as usize * w / 96;
+        let mut x: u64 = 0x6368_7572_6e00;
+        let mut chain = Vec::with_capacity(96);
+        let mut t = cpu_time();
+        for c in 0..chains {
+            if c == chains / 2 {
+                t = cpu_time();
+            }
+            chain.clear();
+            chain.extend((0..96).map(|_| {
+                x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                (x ^ (x >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1
+            }));
+            ix.store(&chain, c % w, Medium::Gpu);
+        }
+        let d = cpu_time().saturating_sub(t).as_secs_f64();
+        let st = ix.stats();
+        println!(
+            "W={w} churn {:.2} M blocks/s, {} memberships, {} blocks, {:.2} B/membership",
+            (chains - chains / 2) as f64 * 96.0 / d / 1e6,
+            st.memberships,
+            st.keys,
+            st.memory_bytes as f64 / st.memberships as f64
+        );
         return;
     }
     let runs = env("RUNS").unwrap_or(if part == "find" { 1 } else { 5 }).max(1);

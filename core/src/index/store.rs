@@ -14,7 +14,8 @@
 //!   A head of 0 marks a free position (its block was deleted); free positions are reclaimed by
 //!   [`BlockStore::compact`].
 //! - **table**: open addressing with linear probing (the home is a multiply-high range reduction
-//!   of a mix of the key), growth by 1.5x at load 7/8, backward-shift deletion. A probe examines
+//!   of a mix of the key), growth by 1.5x at load 7/8 (of positions: a deleted block's bucket stays,
+//!   dead, until a rebuild). A probe examines
 //!   a group of [`GROUP`] buckets per step (two SSE2 compares on x86_64): one step finds the
 //!   first empty bucket and the tag matches before it, where bucket-by-bucket probing would take
 //!   a branch per bucket (a miss probes several at high load). Sizes are multiples of the group.
@@ -151,6 +152,16 @@ fn reserve_stepped<T>(v: &mut Vec<T>, extra: usize) {
     }
 }
 
+/// Where a probe for a key ended.
+enum Probe {
+    /// The key's bucket, its block live at this position.
+    Live(usize),
+    /// The key's bucket, its block deleted (the position is free).
+    Dead(usize),
+    /// No bucket for the key; this is the first empty bucket from its home.
+    Absent(usize),
+}
+
 /// Blocks, their keys and their shared holder sets.
 pub(crate) struct BlockStore {
     buckets: Vec<u32>,
@@ -160,6 +171,8 @@ pub(crate) struct BlockStore {
     pos_bits: u32,
     /// Live blocks (positions with a non-zero head).
     len: usize,
+    /// Buckets in use: the live blocks' and the dead ones' (deleted since the last rebuild).
+    used: usize,
     keys: Vec<u64>,
     heads: Vec<u32>,
     chunks: Vec<u32>,
@@ -175,6 +188,7 @@ impl BlockStore {
             buckets: vec![0; MIN_BUCKETS],
             pos_bits: MIN_POS_BITS,
             len: 0,
+            used: 0,
             keys: Vec::new(),
             heads: Vec::new(),
             chunks: vec![0, 1, 0, 0],
@@ -196,6 +210,7 @@ impl BlockStore {
             buckets: copy(&self.buckets),
             pos_bits: self.pos_bits,
             len: self.len,
+            used: self.used,
             keys: copy(&self.keys),
             heads: copy(&self.heads),
             chunks: copy(&self.chunks),
@@ -227,15 +242,6 @@ impl BlockStore {
         crate::approx::mul_hi(mix, self.buckets.len() as u64) as usize
     }
 
-    #[inline]
-    fn next(&self, i: usize) -> usize {
-        if i + 1 == self.buckets.len() {
-            0
-        } else {
-            i + 1
-        }
-    }
-
     /// Hint the CPU to load the home bucket of the key whose [`mix64`] is `mix` (callers walking
     /// a key sequence prefetch a few keys ahead so the cache misses of a large table overlap
     /// instead of queueing).
@@ -260,11 +266,11 @@ impl BlockStore {
         group_masks(g, self.pos_bits, tag)
     }
 
-    /// Linear probing from `key`'s home, a group of [`GROUP`] buckets per step: `Ok(position)`
-    /// when stored, else `Err(bucket)`, the first empty bucket from the home (where the key
-    /// goes).
+    /// Linear probing from `key`'s home, a group of [`GROUP`] buckets per step, to `key`'s
+    /// bucket or the first empty bucket from the home (where the key goes). A table holds at
+    /// most one bucket per key, live or dead (see [`BlockStore::delete`]).
     #[inline(always)]
-    fn probe(&self, key: u64, mix: u64) -> Result<usize, usize> {
+    fn probe(&self, key: u64, mix: u64) -> Probe {
         let pos_bits = self.pos_bits;
         let tag = tag_of(mix, pos_bits);
         let home = self.home(mix);
@@ -279,12 +285,12 @@ impl BlockStore {
                 let b = self.buckets[base + hit.trailing_zeros() as usize];
                 let pos = (b & ((1 << pos_bits) - 1)) as usize - 1;
                 if self.keys[pos] == key {
-                    return Ok(pos);
+                    return if self.heads[pos] != 0 { Probe::Live(pos) } else { Probe::Dead(pos) };
                 }
                 hit &= hit - 1;
             }
             if empty != 0 {
-                return Err(base + stop as usize);
+                return Probe::Absent(base + stop as usize);
             }
             base += GROUP;
             if base == self.buckets.len() {
@@ -297,7 +303,10 @@ impl BlockStore {
     /// The position of `key`, if stored.
     #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<usize> {
-        self.probe(key, mix64(key)).ok()
+        match self.probe(key, mix64(key)) {
+            Probe::Live(pos) => Some(pos),
+            Probe::Dead(_) | Probe::Absent(_) => None,
+        }
     }
 
     /// The position after `pos` when it holds `key` (a chain stored together), else the table's
@@ -530,20 +539,41 @@ impl BlockStore {
     pub(crate) fn find_or_insert_mixed(&mut self, key: u64, mix: u64, head: u32) -> (Option<usize>, bool) {
         debug_assert!(head != 0 && mix == mix64(key));
         let i = match self.probe(key, mix) {
-            Ok(pos) => return (Some(pos), false),
-            Err(i) => i,
+            Probe::Live(pos) => return (Some(pos), false),
+            Probe::Dead(pos) => {
+                self.revive(pos, head);
+                return (Some(pos), true);
+            }
+            Probe::Absent(i) => i,
         };
         let pos = self.keys.len();
         if pos >= MAX_POSITIONS {
             return (None, false);
         }
-        if pos + 2 > 1 << self.pos_bits || (self.len + 1) * 8 > self.buckets.len() * 7 {
-            // The table changes: the probe's bucket is stale.
-            return (self.insert(key, head), true);
+        if self.table_changes(pos) {
+            // The probe's bucket is stale.
+            return (self.append(key, head), true);
         }
         self.push(key, head);
         self.buckets[i] = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
+        self.used += 1;
         (Some(pos), true)
+    }
+
+    /// Whether appending position `pos` first widens the buckets or rebuilds the table.
+    #[inline(always)]
+    fn table_changes(&self, pos: usize) -> bool {
+        // A deleted block keeps its bucket until a rebuild: the table's load is the buckets in
+        // use, not the live blocks.
+        pos + 2 > 1 << self.pos_bits || (self.used + 1) * 8 > self.buckets.len() * 7
+    }
+
+    /// Bring the dead position `pos` (its key's bucket still in the table) back with `head`.
+    fn revive(&mut self, pos: usize, head: u32) {
+        debug_assert!(self.heads[pos] == 0 && head != 0);
+        self.retain(head);
+        self.heads[pos] = head;
+        self.len += 1;
     }
 
     /// Append `key` with `head` to the arena (its bucket is the caller's).
@@ -566,9 +596,24 @@ impl BlockStore {
         reserve_stepped(&mut self.heads, 1);
     }
 
-    /// Store the new block `key` (absent) with `head`, at the end of the arena. `None` when the
-    /// arena is full ([`MAX_POSITIONS`]).
+    /// Store the block `key` (not live) with `head`: at its dead position when the table still
+    /// has it, else at the end of the arena. `None` when the arena is full ([`MAX_POSITIONS`]).
     pub(crate) fn insert(&mut self, key: u64, head: u32) -> Option<usize> {
+        match self.probe(key, mix64(key)) {
+            Probe::Dead(pos) => {
+                self.revive(pos, head);
+                Some(pos)
+            }
+            Probe::Live(pos) => {
+                debug_assert!(false, "insert of a live key");
+                Some(pos)
+            }
+            Probe::Absent(_) => self.append(key, head),
+        }
+    }
+
+    /// Store the block `key`, absent from the table, with `head` at the end of the arena.
+    fn append(&mut self, key: u64, head: u32) -> Option<usize> {
         debug_assert!(head != 0);
         let pos = self.keys.len();
         if pos >= MAX_POSITIONS {
@@ -578,12 +623,15 @@ impl BlockStore {
             // Positions outgrow their bits: two more, taken from the tags.
             self.widen();
         }
-        if (self.len + 1) * 8 > self.buckets.len() * 7 {
-            let n = self.buckets.len() + self.buckets.len() / 2;
-            self.rebuild(n);
+        if (self.used + 1) * 8 > self.buckets.len() * 7 {
+            // Full: by half again when the live blocks fill three quarters, else the same size
+            // without the dead blocks' buckets.
+            let n = self.buckets.len();
+            self.rebuild(if (self.len + 1) * 4 > n * 3 { n + n / 2 } else { n });
         }
         self.push(key, head);
         self.place(key, pos);
+        self.used += 1;
         Some(pos)
     }
 
@@ -656,37 +704,19 @@ impl BlockStore {
                 self.place_mixed(mix, pos);
             }
         }
+        self.used = self.len;
     }
 
-    /// Delete the block at `pos` (its position becomes free).
+    /// Delete the block at `pos` (its position becomes free). Its bucket stays, dead, until the
+    /// table is rebuilt (by a growth or a compaction): a lookup that reaches it finds the key
+    /// with no holders, and a store of the key brings the position back. Removing the bucket
+    /// would shift the buckets after it back, reading each one's key from the arena to find its
+    /// home: a cache miss per bucket on a large table, which made deletions most of the time of
+    /// an index at capacity (blocks evicted as fast as they come).
     pub(crate) fn delete(&mut self, pos: usize) {
         let head = self.heads[pos];
         if head == 0 {
             return;
-        }
-        let key = self.keys[pos];
-        let mix = mix64(key);
-        let mut hole = self.home(mix);
-        let want = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
-        let pos_mask = (1u32 << self.pos_bits) - 1;
-        while self.buckets[hole] != want {
-            hole = self.next(hole);
-        }
-        let n = self.buckets.len();
-        self.buckets[hole] = 0;
-        let mut j = self.next(hole);
-        while self.buckets[j] != 0 {
-            let p = (self.buckets[j] & pos_mask) as usize - 1;
-            let home = self.home(mix64(self.keys[p]));
-            // Move j into the hole unless its home lies cyclically in (hole, j].
-            let dist_home = (j + n - home) % n;
-            let dist_hole = (j + n - hole) % n;
-            if dist_home >= dist_hole {
-                self.buckets[hole] = self.buckets[j];
-                self.buckets[j] = 0;
-                hole = j;
-            }
-            j = self.next(j);
         }
         self.heads[pos] = 0;
         self.release(head);
@@ -720,7 +750,9 @@ impl BlockStore {
             self.keys.shrink_to(w + w / 16);
             self.heads.shrink_to(w + w / 16);
         }
-        let n = (self.len * 8 / 7 + 1).max(self.len + self.len / 4);
+        // Room for the positions added until the next compaction (an eighth of the arena free
+        // again) at load 7/8: positions up to 8/7 of the live blocks.
+        let n = (self.len * 4 / 3 + 1).max(self.len + 64);
         self.rebuild(n);
         if keep >= w {
             w
@@ -770,6 +802,20 @@ impl BlockStore {
                 assert_eq!(self.find(self.keys[p]), Some(p));
             }
         }
+        // One bucket per position at most, every live position's among them; none per key twice.
+        let mask = (1u32 << self.pos_bits) - 1;
+        let mut seen = vec![false; self.keys.len()];
+        let mut keys = std::collections::BTreeSet::new();
+        for &b in self.buckets.iter().filter(|&&b| b != 0) {
+            let p = (b & mask) as usize - 1;
+            assert!(!std::mem::replace(&mut seen[p], true), "position {p} has two buckets");
+            assert!(keys.insert(self.keys[p]), "key {:x} has two buckets", self.keys[p]);
+            assert_eq!(b >> self.pos_bits, tag_of(mix64(self.keys[p]), self.pos_bits), "tag of position {p}");
+        }
+        for (p, _) in self.heads.iter().enumerate().filter(|(_, &h)| h != 0) {
+            assert!(seen[p], "live position {p} has a bucket");
+        }
+        assert_eq!(self.buckets.iter().filter(|&&b| b != 0).count(), self.used, "buckets in use");
     }
 }
 
@@ -874,8 +920,10 @@ mod tests {
                     assert_eq!(old, mold);
                 }
             }
-            if step % 10_000 == 0 {
+            if step % 997 == 0 {
                 t.check_refs();
+            }
+            if step % 10_000 == 0 {
                 t.compact(0);
             }
         }
@@ -915,6 +963,39 @@ mod tests {
         assert_eq!(t.find(1), None);
         t.delete(11);
         assert_eq!(t.find_after(10, 77), None, "a free position is not a successor");
+        t.check_refs();
+    }
+
+    /// A deleted block leaves a dead bucket: lookups do not find it, a store of its key brings
+    /// the same position back (no second bucket), and a table full of positions but not of
+    /// live blocks is rebuilt at its size without the dead buckets, not grown.
+    #[test]
+    fn deleted_blocks_leave_dead_buckets_that_a_store_revives() {
+        let mut t = BlockStore::new();
+        for k in 0..40u64 {
+            t.insert(k * 11, 0x80).unwrap();
+        }
+        t.delete(7);
+        assert_eq!((t.find(77), t.len(), t.positions()), (None, 39, 40));
+        assert_eq!(t.find_or_insert(77, 0x81), (Some(7), true), "revived where it was");
+        assert_eq!((t.records_at(7), t.len()), (&[0x81][..], 40));
+        t.delete(8);
+        assert_eq!(t.insert(88, 0x82), Some(8), "insert revives too");
+        t.check_refs();
+        // Churn: every block deleted as soon as the next is stored, the live count constant.
+        let buckets = t.buckets();
+        for k in 1000..20_000u64 {
+            let p = t.insert(k, 0x80).unwrap();
+            t.delete(p - 40);
+            if k % 1000 == 0 {
+                t.check_refs();
+            }
+        }
+        assert_eq!(t.len(), 40);
+        assert_eq!(t.buckets(), buckets, "rebuilt at its size, never grown");
+        t.check_refs();
+        t.compact(0);
+        assert_eq!(t.positions(), 40);
         t.check_refs();
     }
 
