@@ -298,7 +298,8 @@ const DUP_ENTRY_BYTES: usize = 48;
 /// an eighth of the arena (a compaction keeping the order, amortized O(1) per deletion).
 ///
 /// # Memory
-/// A block costs its key and head in the arena (12 bytes) and a 4-byte bucket (load 0.58–0.875);
+/// A block costs its key and head in the arena (12 bytes) and a 4-byte bucket (load 0.58–0.875
+/// while the index grows; at capacity, deleted blocks' buckets and tombstones share the table);
 /// holders beyond the first cost 4 bytes each in a chunk shared by the blocks with the same
 /// holders; an outstanding duplicate store on an offload tier costs one side-table entry (about
 /// 48 bytes). See `memory_bytes` and the `index_memory` test for measured bytes per membership.

@@ -14,14 +14,20 @@
 //!   A head of 0 marks a free position (its block was deleted); free positions are reclaimed by
 //!   [`BlockStore::compact`].
 //! - **table**: open addressing with linear probing (the home is a multiply-high range reduction
-//!   of a mix of the key), growth by 1.5x at load 7/8 (of positions: a deleted block's bucket stays,
-//!   dead, until a rebuild). A probe examines
-//!   a group of [`GROUP`] buckets per step (two SSE2 compares on x86_64): one step finds the
-//!   first empty bucket and the tag matches before it, where bucket-by-bucket probing would take
-//!   a branch per bucket (a miss probes several at high load). Sizes are multiples of the group.
-//!   A bucket is `tag << pos_bits | (pos + 1)` (0: empty): `pos_bits` (20 to 27) as the arena's
-//!   size needs, the rest a tag from the key's mix, so a probe step that is not the key is
+//!   of a mix of the key), growth by 1.5x at load 7/8. A probe examines a group of [`GROUP`]
+//!   buckets per step (two SSE2 compares on x86_64): one step finds the first empty bucket and
+//!   the tag matches before it, where bucket-by-bucket probing would take a branch per bucket (a
+//!   miss probes several at high load). Sizes are multiples of the group. A bucket is
+//!   `tag << pos_bits | (pos + 1)` (0: empty): `pos_bits` (20 to 27) as the arena's size needs,
+//!   widened in place, the rest a tag from the key's mix, so a probe step that is not the key is
 //!   almost always told apart without reading the arena (at 4M blocks, 10 tag bits).
+//! - **deletion** leaves the table alone: the block's bucket stays, dead (its position free),
+//!   and a store of the key brings the position back. A compaction renumbers the table in place
+//!   and turns the dead buckets into tombstones, which probes go past and inserts reuse; a
+//!   rebuild (growth, or a table full of dead buckets and tombstones) drops both. The load that
+//!   triggers a rebuild counts every bucket in use. Shifting the following buckets back on each
+//!   deletion, as linear probing usually does, read each one's key from the arena to find its
+//!   home: at capacity (blocks evicted as fast as they come) that was most of the time.
 //! - **postings**: a head with the top bit clear is the single record itself; with the top bit
 //!   set, its low 31 bits index a chunk in `chunks`: `[len | class << 16, refs, rec_0, ..,
 //!   rec_{cap-1}]`, `cap = 2 << class`, records sorted by value (owner-major). A chunk is shared
@@ -42,7 +48,7 @@ const MIN_POS_BITS: u32 = 20;
 const MAX_POS_BITS: u32 = 27;
 /// Most blocks the arena can hold (positions are at most 27 bits in a bucket); stores of new
 /// blocks beyond it are dropped (at 17 bytes per block that is a 2 GiB index).
-pub(crate) const MAX_POSITIONS: usize = (1 << MAX_POS_BITS) - 2;
+pub(crate) const MAX_POSITIONS: usize = (1 << MAX_POS_BITS) - 3;
 /// A permanent empty chunk: the head of a position inserted before its first record is set.
 pub(crate) const EMPTY: u32 = CHUNK_FLAG;
 
@@ -158,8 +164,9 @@ enum Probe {
     Live(usize),
     /// The key's bucket, its block deleted (the position is free).
     Dead(usize),
-    /// No bucket for the key; this is the first empty bucket from its home.
-    Absent(usize),
+    /// No bucket for the key: the bucket it takes, the first empty one from its home or (for an
+    /// insert) a tombstone before it.
+    Absent { bucket: usize, tomb: bool },
 }
 
 /// Blocks, their keys and their shared holder sets.
@@ -171,8 +178,11 @@ pub(crate) struct BlockStore {
     pos_bits: u32,
     /// Live blocks (positions with a non-zero head).
     len: usize,
-    /// Buckets in use: the live blocks' and the dead ones' (deleted since the last rebuild).
+    /// Buckets in use: the live blocks', the dead ones' (deleted since the last compaction) and
+    /// the tombstones.
     used: usize,
+    /// Tombstones in the table (inserts look for one to reuse only while there are any).
+    tombs: usize,
     keys: Vec<u64>,
     heads: Vec<u32>,
     chunks: Vec<u32>,
@@ -189,6 +199,7 @@ impl BlockStore {
             pos_bits: MIN_POS_BITS,
             len: 0,
             used: 0,
+            tombs: 0,
             keys: Vec::new(),
             heads: Vec::new(),
             chunks: vec![0, 1, 0, 0],
@@ -211,6 +222,7 @@ impl BlockStore {
             pos_bits: self.pos_bits,
             len: self.len,
             used: self.used,
+            tombs: self.tombs,
             keys: copy(&self.keys),
             heads: copy(&self.heads),
             chunks: copy(&self.chunks),
@@ -259,18 +271,32 @@ impl BlockStore {
     /// `tag` (an empty bucket may show as a tag match too: callers stop at the first empty).
     #[inline(always)]
     fn group_masks(&self, base: usize, tag: u32) -> (u32, u32) {
-        let g: &[u32; GROUP] = match self.buckets[base..base + GROUP].try_into() {
+        group_masks(self.group(base), self.pos_bits, tag)
+    }
+
+    /// The group of [`GROUP`] buckets at `base`.
+    #[inline(always)]
+    fn group(&self, base: usize) -> &[u32; GROUP] {
+        match self.buckets[base..base + GROUP].try_into() {
             Ok(g) => g,
             Err(_) => unreachable!("a group is GROUP buckets"),
-        };
-        group_masks(g, self.pos_bits, tag)
+        }
+    }
+
+    /// The tombstone: a bucket whose position field is all ones (no position: positions stop
+    /// two short of it, see [`BlockStore::table_changes`]) and whose tag is 0. It stands where a
+    /// compaction found a deleted block's bucket: a probe goes past it, an insert reuses it.
+    #[inline(always)]
+    fn tomb(&self) -> u32 {
+        (1 << self.pos_bits) - 1
     }
 
     /// Linear probing from `key`'s home, a group of [`GROUP`] buckets per step, to `key`'s
-    /// bucket or the first empty bucket from the home (where the key goes). A table holds at
-    /// most one bucket per key, live or dead (see [`BlockStore::delete`]).
+    /// bucket or the first empty bucket from the home. A table holds at most one bucket per
+    /// key, live or dead (see [`BlockStore::delete`]). With `INSERT`, an absent key's bucket is
+    /// the first tombstone on the way, if any, else that empty bucket.
     #[inline(always)]
-    fn probe(&self, key: u64, mix: u64) -> Probe {
+    fn probe<const INSERT: bool>(&self, key: u64, mix: u64) -> Probe {
         let pos_bits = self.pos_bits;
         let tag = tag_of(mix, pos_bits);
         let home = self.home(mix);
@@ -283,14 +309,21 @@ impl BlockStore {
             let mut hit = (hit >> from << from) & ((1u32 << stop) - 1);
             while hit != 0 {
                 let b = self.buckets[base + hit.trailing_zeros() as usize];
-                let pos = (b & ((1 << pos_bits) - 1)) as usize - 1;
-                if self.keys[pos] == key {
+                // A tombstone's position is past the arena's end (it may match a tag of 0).
+                let pos = ((b & ((1 << pos_bits) - 1)) as usize).wrapping_sub(1);
+                if self.keys.get(pos) == Some(&key) {
                     return if self.heads[pos] != 0 { Probe::Live(pos) } else { Probe::Dead(pos) };
                 }
                 hit &= hit - 1;
             }
             if empty != 0 {
-                return Probe::Absent(base + stop as usize);
+                let empty = base + stop as usize;
+                if INSERT && self.tombs != 0 {
+                    if let Some(t) = self.first_tomb(home, empty) {
+                        return Probe::Absent { bucket: t, tomb: true };
+                    }
+                }
+                return Probe::Absent { bucket: empty, tomb: false };
             }
             base += GROUP;
             if base == self.buckets.len() {
@@ -300,12 +333,26 @@ impl BlockStore {
         }
     }
 
+    /// The first tombstone from bucket `from` up to the empty bucket `to` (cyclically), if any.
+    #[inline(never)]
+    fn first_tomb(&self, from: usize, to: usize) -> Option<usize> {
+        let tomb = self.tomb();
+        let mut i = from;
+        while i != to {
+            if self.buckets[i] == tomb {
+                return Some(i);
+            }
+            i = if i + 1 == self.buckets.len() { 0 } else { i + 1 };
+        }
+        None
+    }
+
     /// The position of `key`, if stored.
     #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<usize> {
-        match self.probe(key, mix64(key)) {
+        match self.probe::<false>(key, mix64(key)) {
             Probe::Live(pos) => Some(pos),
-            Probe::Dead(_) | Probe::Absent(_) => None,
+            Probe::Dead(_) | Probe::Absent { .. } => None,
         }
     }
 
@@ -535,16 +582,16 @@ impl BlockStore {
     /// (one probe for both: the probe that missed ends on the bucket the key takes). Returns
     /// `(position, born)`; `(None, false)` when the key is new and the arena is full
     /// ([`MAX_POSITIONS`]).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find_or_insert_mixed(&mut self, key: u64, mix: u64, head: u32) -> (Option<usize>, bool) {
         debug_assert!(head != 0 && mix == mix64(key));
-        let i = match self.probe(key, mix) {
+        let (i, tomb) = match self.probe::<true>(key, mix) {
             Probe::Live(pos) => return (Some(pos), false),
             Probe::Dead(pos) => {
                 self.revive(pos, head);
                 return (Some(pos), true);
             }
-            Probe::Absent(i) => i,
+            Probe::Absent { bucket, tomb } => (bucket, tomb),
         };
         let pos = self.keys.len();
         if pos >= MAX_POSITIONS {
@@ -556,16 +603,22 @@ impl BlockStore {
         }
         self.push(key, head);
         self.buckets[i] = (tag_of(mix, self.pos_bits) << self.pos_bits) | (pos as u32 + 1);
-        self.used += 1;
+        if tomb {
+            self.tombs -= 1;
+        } else {
+            self.used += 1;
+        }
         (Some(pos), true)
     }
 
     /// Whether appending position `pos` first widens the buckets or rebuilds the table.
     #[inline(always)]
     fn table_changes(&self, pos: usize) -> bool {
-        // A deleted block keeps its bucket until a rebuild: the table's load is the buckets in
-        // use, not the live blocks.
-        pos + 2 > 1 << self.pos_bits || (self.used + 1) * 8 > self.buckets.len() * 7
+        // Positions stop two short of the position field's all-ones (the tombstone's). A
+        // deleted block keeps its bucket until a compaction makes it a tombstone, and a
+        // tombstone stays until an insert reuses it or the table is rebuilt: the table's load
+        // is the buckets in use, not the live blocks.
+        pos + 3 > 1 << self.pos_bits || (self.used + 1) * 8 > self.buckets.len() * 7
     }
 
     /// Bring the dead position `pos` (its key's bucket still in the table) back with `head`.
@@ -599,17 +652,9 @@ impl BlockStore {
     /// Store the block `key` (not live) with `head`: at its dead position when the table still
     /// has it, else at the end of the arena. `None` when the arena is full ([`MAX_POSITIONS`]).
     pub(crate) fn insert(&mut self, key: u64, head: u32) -> Option<usize> {
-        match self.probe(key, mix64(key)) {
-            Probe::Dead(pos) => {
-                self.revive(pos, head);
-                Some(pos)
-            }
-            Probe::Live(pos) => {
-                debug_assert!(false, "insert of a live key");
-                Some(pos)
-            }
-            Probe::Absent(_) => self.append(key, head),
-        }
+        let (pos, born) = self.find_or_insert_mixed(key, mix64(key), head);
+        debug_assert!(born || pos.is_none(), "insert of a live key");
+        pos
     }
 
     /// Store the block `key`, absent from the table, with `head` at the end of the arena.
@@ -619,7 +664,7 @@ impl BlockStore {
         if pos >= MAX_POSITIONS {
             return None;
         }
-        if pos + 2 > 1 << self.pos_bits {
+        if pos + 3 > 1 << self.pos_bits {
             // Positions outgrow their bits: two more, taken from the tags.
             self.widen();
         }
@@ -670,8 +715,11 @@ impl BlockStore {
         let old = self.pos_bits;
         let new = (old + 2).min(MAX_POS_BITS);
         let mask = (1u32 << old) - 1;
+        let (old_tomb, new_tomb) = (mask, (1u32 << new) - 1);
         for b in &mut self.buckets {
-            if *b != 0 {
+            if *b == old_tomb {
+                *b = new_tomb;
+            } else if *b != 0 {
                 *b = ((*b >> old) >> (new - old) << new) | (*b & mask);
             }
         }
@@ -705,6 +753,7 @@ impl BlockStore {
             }
         }
         self.used = self.len;
+        self.tombs = 0;
     }
 
     /// Delete the block at `pos` (its position becomes free). Its bucket stays, dead, until the
@@ -728,13 +777,30 @@ impl BlockStore {
         self.keys.len() - self.len
     }
 
-    /// Reclaim free positions (live blocks keep their order) and size the table and arena to
-    /// the contents. Positions change: callers holding positions must drop them.
-    /// Returns where position `keep` went (the count of live positions before it).
+    /// Reclaim free positions (live blocks keep their order) and size the arena to the contents.
+    /// Positions change: callers holding positions must drop them. Returns where position
+    /// `keep` went (the count of live positions before it).
+    ///
+    /// The table is renumbered where it lies: a live block's bucket gets its new position, a
+    /// deleted block's bucket becomes a tombstone, and no block moves (a rebuild would move every
+    /// block, at a cache miss each on a table larger than the cache). It is rebuilt instead when
+    /// it is over a quarter larger than the live blocks need (after many deletions).
     pub(crate) fn compact(&mut self, keep: usize) -> usize {
+        let positions = self.keys.len();
+        // Per 64 positions: the live ones (a bit each) and how many live ones come before.
+        let mut live = vec![0u64; positions.div_ceil(64)];
+        let mut before = vec![0u32; live.len()];
+        let mut count = 0u32;
+        for (w, (bits, at)) in live.iter_mut().zip(before.iter_mut()).enumerate() {
+            *at = count;
+            for (k, &h) in self.heads[w * 64..(w * 64 + 64).min(positions)].iter().enumerate() {
+                *bits |= u64::from(h != 0) << k;
+            }
+            count += bits.count_ones();
+        }
         let mut w = 0;
         let mut kept = 0;
-        for r in 0..self.keys.len() {
+        for r in 0..positions {
             if r == keep {
                 kept = w;
             }
@@ -752,8 +818,27 @@ impl BlockStore {
         }
         // Room for the positions added until the next compaction (an eighth of the arena free
         // again) at load 7/8: positions up to 8/7 of the live blocks.
-        let n = (self.len * 4 / 3 + 1).max(self.len + 64);
-        self.rebuild(n);
+        let fits = (self.len * 4 / 3 + 1).max(self.len + 64);
+        if self.buckets.len() > (fits + fits / 4).max(MIN_BUCKETS) {
+            self.rebuild(fits);
+        } else {
+            let mask = (1u32 << self.pos_bits) - 1;
+            let tomb = self.tomb();
+            for b in &mut self.buckets {
+                if *b == 0 || *b == tomb {
+                    continue;
+                }
+                let p = (*b & mask) as usize - 1;
+                let (word, k) = (p / 64, p % 64);
+                *b = if live[word] >> k & 1 != 0 {
+                    let q = before[word] + (live[word] & ((1u64 << k) - 1)).count_ones();
+                    (*b & !mask) | (q + 1)
+                } else {
+                    self.tombs += 1;
+                    tomb
+                };
+            }
+        }
         if keep >= w {
             w
         } else {
@@ -806,7 +891,7 @@ impl BlockStore {
         let mask = (1u32 << self.pos_bits) - 1;
         let mut seen = vec![false; self.keys.len()];
         let mut keys = std::collections::BTreeSet::new();
-        for &b in self.buckets.iter().filter(|&&b| b != 0) {
+        for &b in self.buckets.iter().filter(|&&b| b != 0 && b != self.tomb()) {
             let p = (b & mask) as usize - 1;
             assert!(!std::mem::replace(&mut seen[p], true), "position {p} has two buckets");
             assert!(keys.insert(self.keys[p]), "key {:x} has two buckets", self.keys[p]);
@@ -816,6 +901,7 @@ impl BlockStore {
             assert!(seen[p], "live position {p} has a bucket");
         }
         assert_eq!(self.buckets.iter().filter(|&&b| b != 0).count(), self.used, "buckets in use");
+        assert_eq!(self.buckets.iter().filter(|&&b| b == self.tomb()).count(), self.tombs, "tombstones");
     }
 }
 
@@ -923,7 +1009,7 @@ mod tests {
             if step % 997 == 0 {
                 t.check_refs();
             }
-            if step % 10_000 == 0 {
+            if step % 1_000 == 0 {
                 t.compact(0);
             }
         }
@@ -997,6 +1083,28 @@ mod tests {
         t.compact(0);
         assert_eq!(t.positions(), 40);
         t.check_refs();
+        // A compaction renumbers the table in place: dead buckets become tombstones, which
+        // lookups go past and inserts reuse.
+        let mut t = BlockStore::new();
+        for k in 0..48u64 {
+            t.insert(k, 0x80).unwrap();
+        }
+        for p in (0..48).step_by(2) {
+            t.delete(p);
+        }
+        let used = t.used;
+        t.compact(0);
+        assert_eq!((t.positions(), t.used), (24, used), "renumbered, the dead buckets kept as tombstones");
+        assert_eq!(t.buckets.iter().filter(|&&b| b == t.tomb()).count(), 24);
+        for k in 0..48u64 {
+            assert_eq!(t.find(k), (k % 2 == 1).then_some(k as usize / 2), "key {k}");
+        }
+        t.check_refs();
+        for k in 100..124u64 {
+            t.insert(k, 0x80).unwrap();
+        }
+        assert!(t.used < used + 24, "some inserts reused a tombstone ({} buckets in use)", t.used);
+        t.check_refs();
     }
 
     /// Positions outgrowing their bits widen every bucket in place: every key stays findable
@@ -1016,6 +1124,7 @@ mod tests {
             }
         }
         assert_eq!(t.pos_bits, 12, "8 → 10 → 12 bits");
+        t.check_refs();
         assert_eq!(t.find_or_insert(key(17), 0x80), (Some(17), false), "found, not stored again");
         for b in t.buckets.iter().filter(|&&b| b != 0) {
             let pos = (b & ((1 << t.pos_bits) - 1)) as usize - 1;
@@ -1026,6 +1135,32 @@ mod tests {
         }
         for k in 0..3000u64 {
             assert_eq!(t.find(key(k)), (k % 3 != 0).then_some(k as usize));
+        }
+        t.check_refs();
+    }
+
+    /// Tombstones survive a widening as tombstones (not as a position).
+    #[test]
+    fn widening_keeps_tombstones() {
+        let mut t = BlockStore::with_pos_bits(8);
+        for k in 0..250u64 {
+            t.insert(k * 3 + 1, 0x80).unwrap();
+        }
+        for p in (0..250).step_by(6) {
+            t.delete(p);
+        }
+        t.compact(0);
+        let live: Vec<u64> = (0..250u64).filter(|k| k % 6 != 0).map(|k| k * 3 + 1).collect();
+        let tombs = t.buckets.iter().filter(|&&b| b == t.tomb()).count();
+        assert_eq!(tombs, 42, "the deleted blocks' buckets");
+        t.widen();
+        assert_eq!((t.pos_bits, t.buckets.iter().filter(|&&b| b == t.tomb()).count()), (10, tombs));
+        t.check_refs();
+        for k in 1000..1300u64 {
+            t.insert(k, 0x80).unwrap();
+        }
+        for &k in &live {
+            assert!(t.find(k).is_some(), "key {k}");
         }
         t.check_refs();
     }
