@@ -26,6 +26,11 @@
 //! - **find-matches**: µs per lookup of a 128-block request sharing a prefix (64 different
 //!   probes, cycled), timed by criterion in the calling thread's CPU time ([`thread_cpu_time`]);
 //!   the table shows the median of criterion's samples;
+//! - **churn**: after an untimed build, [`Churn`]'s 4,096 steps (a conversation's own blocks
+//!   removed, leaf first, and a new conversation stored), timed like apply, for the exact
+//!   subjects: an index at capacity sees blocks leave as fast as they come. Reported as blocks
+//!   removed and stored per second, with every exact subject checked afterwards to report the
+//!   same overlap as kvroute's precise store on every probe;
 //! - **memory**: bytes allocated and still live after one build, counted by this binary's global
 //!   allocator (requested sizes, all threads) for every subject alike, divided by the distinct
 //!   memberships. kvroute's own `stats().memory_bytes` is printed beside it as a cross-check.
@@ -51,8 +56,8 @@ use std::time::Duration;
 use criterion::Criterion;
 use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData,
-    LocalBlockHash, RouterEvent,
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock, TokenTree};
@@ -61,7 +66,7 @@ use kvroute::{ApproxIndex, EndpointSpec, RequestKeys, Role, Router};
 use kvroute::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute::{MatchScratch, MatchWeights, PrefixIndex, PrefixMatch};
 use kvroute_benches::indexload::WorkloadShape;
-use kvroute_benches::peerload::{PeerWorkload, StoreEvent};
+use kvroute_benches::peerload::{Churn, PeerWorkload, StoreEvent};
 use kvroute_benches::timing::{cpu_time, median, thread_cpu_time, Samples};
 
 // ---------------------------------------------------------------------------------------------
@@ -157,11 +162,17 @@ struct Row {
     bytes: i64,
     /// kvroute's own `stats().memory_bytes`, when it has one.
     self_reported: Option<u64>,
+    /// The churn (exact subjects): blocks removed and stored, and seconds (see [`Churn`]).
+    churn: Option<(u64, f64)>,
 }
 
 impl Row {
     fn apply_mps(&self) -> f64 {
         self.blocks as f64 / self.apply_s / 1e6
+    }
+
+    fn churn_mps(&self) -> Option<f64> {
+        self.churn.map(|(blocks, s)| blocks as f64 / s / 1e6)
     }
 }
 
@@ -220,7 +231,16 @@ struct Inputs {
     reference: Vec<Vec<u32>>,
     /// Endpoint ids ("host:port").
     ids: Vec<String>,
+    /// The churn after a build, its removals' keys (leaf first) and blocks (removed + stored).
+    churn: Churn,
+    removals: Vec<(usize, Vec<u64>)>,
+    churn_blocks: u64,
+    /// `reference` after the churn.
+    reference_after: Vec<Vec<u32>>,
 }
+
+/// Steps of the churn after a build (a conversation removed and one stored per step).
+const CHURN_STEPS: usize = 4096;
 
 fn endpoint_id(e: usize) -> String {
     format!("10.0.{}.{}:8000", e / 256, e % 256)
@@ -249,6 +269,34 @@ fn dynamo_events(wl: &PeerWorkload) -> Vec<RouterEvent> {
     wl.events.iter().enumerate().map(|(i, ev)| dynamo_event(wl, i, ev)).collect()
 }
 
+/// The churn as dynamo events (ids after the build's).
+fn dynamo_churn(inp: &Inputs) -> Vec<RouterEvent> {
+    let base = inp.wl.events.len() as u64;
+    let mut out = Vec::with_capacity(2 * inp.removals.len());
+    for (k, (e, removed)) in inp.removals.iter().enumerate() {
+        let block_hashes = removed.iter().map(|&h| ExternalSequenceBlockHash(h)).collect();
+        let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes });
+        out.push(RouterEvent::new(*e as u64, KvCacheEvent { event_id: base + 2 * k as u64, data, dp_rank: 0 }));
+        let (e, parent, contents, keys) = inp.churn.store(k);
+        let blocks = contents
+            .iter()
+            .zip(keys)
+            .map(|(&c, &k)| KvCacheStoredBlockData {
+                block_hash: ExternalSequenceBlockHash(k),
+                tokens_hash: LocalBlockHash(c),
+                mm_extra_info: None,
+            })
+            .collect();
+        let data = KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: Some(ExternalSequenceBlockHash(parent)),
+            start_position: Some(inp.churn.system_blocks as u32),
+            blocks,
+        });
+        out.push(RouterEvent::new(e as u64, KvCacheEvent { event_id: base + 2 * k as u64 + 1, data, dp_rank: 0 }));
+    }
+    out
+}
+
 fn dynamo_overlap(scores: &dynamo_kv_router::protocols::OverlapScores, w: usize) -> Vec<u32> {
     let mut v = vec![0u32; w];
     for (k, &s) in &scores.scores {
@@ -259,6 +307,12 @@ fn dynamo_overlap(scores: &dynamo_kv_router::protocols::OverlapScores, w: usize)
 
 fn check_exact(name: &str, inp: &Inputs, overlap: impl Fn(usize) -> Vec<u32>) {
     let bad = (0..inp.wl.probes.len()).filter(|&i| overlap(i) != inp.reference[i]).count();
+    assert_eq!(bad, 0, "{name}: {bad} of {} probes disagree with kvroute's precise store", inp.wl.probes.len());
+}
+
+/// [`check_exact`] after the churn.
+fn check_exact_after(name: &str, inp: &Inputs, overlap: impl Fn(usize) -> Vec<u32>) {
+    let bad = (0..inp.wl.probes.len()).filter(|&i| overlap(i) != inp.reference_after[i]).count();
     assert_eq!(bad, 0, "{name}: {bad} of {} probes disagree with kvroute's precise store", inp.wl.probes.len());
 }
 
@@ -281,6 +335,18 @@ fn kvroute_precise(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) ->
         ix
     };
     let apply_s = time_apply(runs, || (), |()| build());
+    let churn = |mut ix: PrefixIndex| {
+        for (k, (e, removed)) in inp.removals.iter().enumerate() {
+            ix.remove(removed, *e, Medium::Gpu);
+            let (e, _, _, keys) = inp.churn.store(k);
+            ix.store(keys, e, Medium::Gpu);
+        }
+        ix
+    };
+    let churn_s = time_apply(runs, build, churn);
+    let after = churn(build());
+    assert_eq!(after.stats().memberships, wl.memberships(), "the churn keeps the memberships");
+    drop(after);
     let (ix, bytes) = measured(build);
     let st = ix.stats();
     assert_eq!(st.memberships, wl.memberships(), "the store holds every membership");
@@ -299,6 +365,7 @@ fn kvroute_precise(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) ->
         find_us,
         bytes,
         self_reported: Some(st.memory_bytes),
+        churn: Some((inp.churn_blocks, churn_s)),
     }
 }
 
@@ -358,6 +425,7 @@ fn kvroute_router(inp: &Inputs, runs: usize) -> Row {
         find_us: None,
         bytes: with_router - router_only,
         self_reported,
+        churn: None,
     }
 }
 
@@ -399,6 +467,7 @@ fn kvroute_approx(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> 
         find_us,
         bytes,
         self_reported: Some(st.memory_bytes),
+        churn: None,
     }
 }
 
@@ -425,6 +494,19 @@ fn dynamo_radix(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Ro
     let find_us = time_find(c, group, "dynamo RadixTree", probes.len(), |i| {
         t.find_matches(probes[i].clone(), false).scores.len()
     });
+    drop(t);
+    let prepare = || (apply(dynamo_events(wl)), dynamo_churn(inp));
+    let churn = |(mut t, events): (RadixTree, Vec<RouterEvent>)| {
+        for ev in events {
+            t.apply_event(ev).unwrap();
+        }
+        t
+    };
+    let churn_s = time_apply(runs, prepare, churn);
+    let after = churn(prepare());
+    check_exact_after("dynamo RadixTree after the churn", inp, |i| {
+        dynamo_overlap(&after.find_matches(probes[i].clone(), false), inp.w)
+    });
     Row {
         name: "dynamo-kv-router RadixTree",
         peer: true,
@@ -434,6 +516,7 @@ fn dynamo_radix(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Ro
         find_us,
         bytes,
         self_reported: None,
+        churn: Some((inp.churn_blocks, churn_s)),
     }
 }
 
@@ -462,6 +545,21 @@ fn dynamo_concurrent(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) 
     check_exact("dynamo concurrent", inp, |i| dynamo_overlap(&tree.find_matches(&probes[i], false), inp.w));
     let find_us =
         time_find(c, group, "dynamo concurrent", probes.len(), |i| tree.find_matches(&probes[i], false).scores.len());
+    drop(ix);
+    let prepare = || (apply((new_indexer(), dynamo_events(wl))), dynamo_churn(inp));
+    let churn = |(ix, events): (ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, Vec<RouterEvent>)| {
+        for ev in events {
+            ix.enqueue_event(ev).unwrap();
+        }
+        block_on(ix.flush_and_wait()).unwrap();
+        ix
+    };
+    let churn_s = time_apply(runs, prepare, churn);
+    let after = churn(prepare());
+    let tree = after.backend();
+    check_exact_after("dynamo concurrent after the churn", inp, |i| {
+        dynamo_overlap(&tree.find_matches(&probes[i], false), inp.w)
+    });
     Row {
         name: "dynamo-kv-router concurrent (1 thread)",
         peer: true,
@@ -471,13 +569,14 @@ fn dynamo_concurrent(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) 
         find_us,
         bytes,
         self_reported: None,
+        churn: Some((inp.churn_blocks, churn_s)),
     }
 }
 
 struct Chain {
     ix: ChainIndex,
     ids: Vec<u32>,
-    _maps: Vec<ChainBlockMap>,
+    maps: Vec<ChainBlockMap>,
 }
 
 fn kv_index_chain(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Row {
@@ -502,7 +601,7 @@ fn kv_index_chain(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> 
             let blocks = &stored[ev.placement][ev.start..];
             ix.apply_stored(ids[e], blocks, parent.map(SequenceHash), &mut maps[e]).unwrap();
         }
-        Chain { ix, ids, _maps: maps }
+        Chain { ix, ids, maps }
     };
     let apply_s = time_apply(runs, || (), |()| build());
     let (ch, bytes) = measured(build);
@@ -529,6 +628,37 @@ fn kv_index_chain(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> 
     if let (Some(a), Some(b)) = (find_alloc, find_into) {
         println!("  kv-index ChainIndex: find_matches {a:.2} µs, score_into {b:.2} µs (the table keeps the faster)");
     }
+    drop(ch);
+    // The churn's inputs in kv-index's types (untimed).
+    let removals: Vec<Vec<SequenceHash>> =
+        inp.removals.iter().map(|(_, r)| r.iter().map(|&h| SequenceHash(h)).collect()).collect();
+    let stores: Vec<Vec<StoredBlock>> = (0..inp.churn.placements.len())
+        .map(|k| {
+            let (_, _, contents, keys) = inp.churn.store(k);
+            contents
+                .iter()
+                .zip(keys)
+                .map(|(&c, &k)| StoredBlock { seq_hash: SequenceHash(k), content_hash: ContentHash(c) })
+                .collect()
+        })
+        .collect();
+    let churn = |mut ch: Chain| {
+        for (k, ((e, _), removed)) in inp.removals.iter().zip(&removals).enumerate() {
+            ch.ix.apply_removed(ch.ids[*e], removed, &mut ch.maps[*e]);
+            let (e, parent, _, _) = inp.churn.store(k);
+            ch.ix.apply_stored(ch.ids[e], &stores[k], Some(SequenceHash(parent)), &mut ch.maps[e]).unwrap();
+        }
+        ch
+    };
+    let churn_s = time_apply(runs, build, churn);
+    let after = churn(build());
+    check_exact_after("kv-index ChainIndex after the churn", inp, |i| {
+        let mut v = vec![0u32; inp.w];
+        for (&id, &s) in &after.ix.find_matches(&probes[i], false).scores {
+            v[by_id[id as usize]] = s;
+        }
+        v
+    });
     let find_us = match (find_alloc, find_into) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -542,6 +672,7 @@ fn kv_index_chain(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> 
         find_us,
         bytes,
         self_reported: None,
+        churn: Some((inp.churn_blocks, churn_s)),
     }
 }
 
@@ -584,6 +715,7 @@ fn kv_index_token_tree(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str
         find_us,
         bytes,
         self_reported: None,
+        churn: None,
     }
 }
 
@@ -645,6 +777,20 @@ fn report(w: usize, wl: &PeerWorkload, rows: &[Row]) {
             r.bytes as f64 / 1e6,
             r.self_reported.map_or_else(|| "—".to_owned(), |b| format!("{:.1}", b as f64 / memberships as f64)),
         );
+    }
+    let best_churn = peers.iter().filter_map(|r| r.churn_mps()).fold(f64::NAN, f64::max);
+    println!();
+    println!(
+        "churn at constant size (after the build, {CHURN_STEPS} steps: one conversation's own blocks removed, leaf \
+         first, and a new one stored; M blocks removed + stored per second; ratio to the best exact peer):"
+    );
+    println!();
+    println!("| index | churn M blocks/s | ×exact |");
+    println!("|---|---|---|");
+    for r in rows {
+        if let Some(m) = r.churn_mps() {
+            println!("| {} | {m:.2} | {} |", r.name, fmt_ratio(Some(m / best_churn)));
+        }
     }
     if let Some(k) = rows.iter().find(|r| r.name.starts_with("kvroute precise")) {
         goals(w, memberships, k, &peers);
@@ -734,7 +880,50 @@ fn main() {
             wl.placed_blocks(),
             hits as f64 / reference.len() as f64
         );
-        let inp = Inputs { ids: (0..w).map(endpoint_id).collect(), wl, w, probe_keys, reference };
+        let churn = wl.churn(CHURN_STEPS, 11);
+        let removals: Vec<(usize, Vec<u64>)> = (0..churn.placements.len())
+            .map(|k| {
+                let (e, removed) = churn.removal(&wl, k);
+                (e, removed.collect())
+            })
+            .collect();
+        let churn_blocks = churn.blocks(&wl);
+        let reference_after = {
+            let mut ix: PrefixIndex = PrefixIndex::new(0, shape.capacity_per_endpoint);
+            for e in 0..w {
+                ix.activate(e);
+            }
+            for ev in &wl.events {
+                let (e, _, _, keys) = wl.event(ev);
+                ix.store(keys, e, Medium::Gpu);
+            }
+            for (k, (e, removed)) in removals.iter().enumerate() {
+                ix.remove(removed, *e, Medium::Gpu);
+                let (e, _, _, keys) = churn.store(k);
+                ix.store(keys, e, Medium::Gpu);
+            }
+            let weights = MatchWeights::new(&TierWeights::default());
+            let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
+            probe_keys
+                .iter()
+                .map(|k| {
+                    ix.match_blocks(k, &weights, &mut out, &mut scratch);
+                    out.blocks()
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_ne!(reference_after, reference, "the churn changes what the probes find");
+        let inp = Inputs {
+            ids: (0..w).map(endpoint_id).collect(),
+            wl,
+            w,
+            probe_keys,
+            reference,
+            churn,
+            removals,
+            churn_blocks,
+            reference_after,
+        };
         let group = format!("find_matches_W{w}");
         let rows = vec![
             kvroute_precise(&mut c, &inp, runs, &group),

@@ -84,6 +84,42 @@ pub struct Probe {
     pub keys: Vec<u64>,
 }
 
+/// Churn at constant size, as an index at capacity sees it: step `k` removes the conversation
+/// blocks of the build's placement `k` (its own blocks, leaf first, on its endpoint) and stores
+/// a new conversation (`placements[k]`) on an endpoint that holds its tenant's system prompt,
+/// under the prompt's last block. Memberships stay the same; no system prompt is removed.
+#[derive(Debug, Clone)]
+pub struct Churn {
+    /// The new conversations, one per step.
+    pub placements: Vec<Placement>,
+    /// Blocks of a system prompt (where a conversation's own blocks start).
+    pub system_blocks: usize,
+}
+
+impl Churn {
+    /// Blocks removed and stored over all steps.
+    pub fn blocks(&self, wl: &PeerWorkload) -> u64 {
+        let removed: usize =
+            wl.placements[..self.placements.len()].iter().map(|p| p.keys.len() - self.system_blocks).sum();
+        let stored: usize = self.placements.iter().map(|p| p.keys.len() - self.system_blocks).sum();
+        (removed + stored) as u64
+    }
+
+    /// Step `k`'s removal: the endpoint and the chain keys removed (leaf first).
+    pub fn removal<'a>(&self, wl: &'a PeerWorkload, k: usize) -> (usize, impl Iterator<Item = u64> + 'a) {
+        let p = &wl.placements[k];
+        (p.endpoint, p.keys[self.system_blocks..].iter().rev().copied())
+    }
+
+    /// Step `k`'s store: the endpoint, the parent (the system prompt's last block), the content
+    /// hashes and the chain keys stored.
+    pub fn store(&self, k: usize) -> (usize, u64, &[u64], &[u64]) {
+        let p = &self.placements[k];
+        let s = self.system_blocks;
+        (p.endpoint, p.keys[s - 1], &p.contents[s..], &p.keys[s..])
+    }
+}
+
 /// The generated workload.
 #[derive(Debug, Clone)]
 pub struct PeerWorkload {
@@ -165,6 +201,30 @@ impl PeerWorkload {
             })
             .collect();
         PeerWorkload { shape: *shape, placements, events, probes }
+    }
+
+    /// `steps` churn steps (at most one per placement of the build; see [`Churn`]), drawn from
+    /// `seed`.
+    pub fn churn(&self, steps: usize, seed: u64) -> Churn {
+        let s = self.shape.system_blocks;
+        let steps = steps.min(self.placements.len());
+        // The (endpoint, tenant) pairs holding a system prompt, in first-placement order.
+        let mut seen = HashSet::new();
+        let pairs: Vec<(usize, usize)> =
+            self.placements.iter().map(|p| (p.endpoint, p.tenant)).filter(|&pair| seen.insert(pair)).collect();
+        let placements = (0..steps as u64)
+            .map(|k| {
+                let (endpoint, tenant) = pairs[(splitmix(seed ^ k) % pairs.len() as u64) as usize];
+                let sys = self.placements.iter().find(|p| p.tenant == tenant).map_or(&[][..], |p| &p.keys[..s]);
+                let sys_c = self.placements.iter().find(|p| p.tenant == tenant).map_or(&[][..], |p| &p.contents[..s]);
+                let mut cs = sys_c.to_vec();
+                contents(splitmix(seed.wrapping_add(k) ^ 0xc4a7_0000), self.shape.conversation_blocks, &mut cs);
+                let mut ks = sys.to_vec();
+                chain(*sys.last().unwrap_or(&ROOT), &cs[s..], &mut ks);
+                Placement { endpoint, tenant, contents: cs, keys: ks }
+            })
+            .collect();
+        Churn { placements, system_blocks: s }
     }
 
     /// kvroute's request keys of each probe (one sequence of its chain keys).
@@ -251,5 +311,23 @@ mod tests {
             assert_eq!(probe.keys.len(), PROBE_BLOCKS);
             assert_eq!(probe.contents.len(), PROBE_BLOCKS);
         }
+        // Churn: every removal takes memberships that are there, every store adds new ones
+        // under a parent its endpoint holds, and the count stays the same.
+        let churn = wl.churn(64, 5);
+        let before = seen.len();
+        for k in 0..churn.placements.len() {
+            let (e, removed) = churn.removal(&wl, k);
+            for key in removed {
+                assert!(seen.remove(&(key, e)), "removed membership was there");
+            }
+            let (e, parent, cs, ks) = churn.store(k);
+            assert_eq!(cs.len(), ks.len());
+            assert!(seen.contains(&(parent, e)), "the parent is held");
+            for &key in ks {
+                assert!(seen.insert((key, e)), "stored once");
+            }
+        }
+        assert_eq!(seen.len(), before);
+        assert_eq!(churn.blocks(&wl), 2 * 64 * shape.conversation_blocks as u64);
     }
 }
