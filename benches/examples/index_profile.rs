@@ -15,7 +15,8 @@
 //! Environment: `W` endpoints (64 or 512; default 64), `PART` (`apply`: builds only; `find`:
 //! one build, then lookups; `worst`: one build, printing its highest bytes per membership from a
 //! tenth of the build on; `churn`: one build, then fresh chains at capacity, the steady state of
-//! eviction, deletion and compaction, timing its second half; default apply and find), `RUNS` builds (default 5; `find`: 1), `ITERS`
+//! eviction, deletion and compaction, timing its second half; `peer-churn`: the peers bench's
+//! churn, conversations removed and stored after a build; default apply and find), `RUNS` builds (default 5; `find`: 1), `ITERS`
 //! lookups (default 2,000,000), `STATS` (with `find`: first prints each probe's matching
 //! endpoints and their distinct match lengths).
 #![allow(clippy::print_stdout)]
@@ -81,6 +82,31 @@ fn main() {
             }
         }
         println!("W={w} worst {worst:.2} B/membership at {at} of {} memberships", wl.memberships());
+        return;
+    }
+    if part == "peer-churn" {
+        // The peers bench's churn: after the build, `Churn` steps of a conversation removed and
+        // one stored, `RUNS` times on fresh builds, the best time printed.
+        let churn = wl.churn(4096, 11);
+        let removals: Vec<(usize, Vec<u64>)> = (0..churn.placements.len())
+            .map(|k| {
+                let (e, removed) = churn.removal(&wl, k);
+                (e, removed.collect())
+            })
+            .collect();
+        let mut best = f64::MAX;
+        for _ in 0..env("RUNS").unwrap_or(5).max(1) {
+            let mut ix = build();
+            let t = cpu_time();
+            for (k, (e, removed)) in removals.iter().enumerate() {
+                ix.remove(removed, *e, Medium::Gpu);
+                let (e, _, _, keys) = churn.store(k);
+                ix.store(keys, e, Medium::Gpu);
+            }
+            best = best.min(cpu_time().saturating_sub(t).as_secs_f64());
+            black_box(&ix);
+        }
+        println!("W={w} peer churn {:.2} M blocks/s", churn.blocks(&wl) as f64 / best / 1e6);
         return;
     }
     if part == "churn" {
