@@ -248,6 +248,19 @@ fn endpoint_id(e: usize) -> String {
 
 fn dynamo_event(wl: &PeerWorkload, i: usize, ev: &StoreEvent) -> RouterEvent {
     let (e, parent, contents, keys) = wl.event(ev);
+    dynamo_stored(e, i as u64, parent, ev.start, contents, keys)
+}
+
+/// A dynamo store event of `endpoint`: blocks `keys` (content hashes `contents`) from position
+/// `start` on, under `parent`.
+fn dynamo_stored(
+    endpoint: usize,
+    id: u64,
+    parent: Option<u64>,
+    start: usize,
+    contents: &[u64],
+    keys: &[u64],
+) -> RouterEvent {
     let blocks = contents
         .iter()
         .zip(keys)
@@ -259,10 +272,10 @@ fn dynamo_event(wl: &PeerWorkload, i: usize, ev: &StoreEvent) -> RouterEvent {
         .collect();
     let data = KvCacheStoreData {
         parent_hash: parent.map(ExternalSequenceBlockHash),
-        start_position: Some(ev.start as u32),
+        start_position: Some(start as u32),
         blocks,
     };
-    RouterEvent::new(e as u64, KvCacheEvent { event_id: i as u64, data: KvCacheEventData::Stored(data), dp_rank: 0 })
+    RouterEvent::new(endpoint as u64, KvCacheEvent { event_id: id, data: KvCacheEventData::Stored(data), dp_rank: 0 })
 }
 
 fn dynamo_events(wl: &PeerWorkload) -> Vec<RouterEvent> {
@@ -278,21 +291,8 @@ fn dynamo_churn(inp: &Inputs) -> Vec<RouterEvent> {
         let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes });
         out.push(RouterEvent::new(*e as u64, KvCacheEvent { event_id: base + 2 * k as u64, data, dp_rank: 0 }));
         let (e, parent, contents, keys) = inp.churn.store(k);
-        let blocks = contents
-            .iter()
-            .zip(keys)
-            .map(|(&c, &k)| KvCacheStoredBlockData {
-                block_hash: ExternalSequenceBlockHash(k),
-                tokens_hash: LocalBlockHash(c),
-                mm_extra_info: None,
-            })
-            .collect();
-        let data = KvCacheEventData::Stored(KvCacheStoreData {
-            parent_hash: Some(ExternalSequenceBlockHash(parent)),
-            start_position: Some(inp.churn.system_blocks as u32),
-            blocks,
-        });
-        out.push(RouterEvent::new(e as u64, KvCacheEvent { event_id: base + 2 * k as u64 + 1, data, dp_rank: 0 }));
+        let id = base + 2 * k as u64 + 1;
+        out.push(dynamo_stored(e, id, Some(parent), inp.churn.system_blocks, contents, keys));
     }
     out
 }
@@ -320,27 +320,47 @@ fn check_exact_after(name: &str, inp: &Inputs, overlap: impl Fn(usize) -> Vec<u3
 // Subjects
 // ---------------------------------------------------------------------------------------------
 
+/// kvroute's precise store holding every membership of `wl`'s events.
+fn precise_build(wl: &PeerWorkload) -> PrefixIndex {
+    let mut ix: PrefixIndex = PrefixIndex::new(0, wl.shape.capacity_per_endpoint);
+    for e in 0..wl.shape.endpoints {
+        ix.activate(e);
+    }
+    for ev in &wl.events {
+        let (e, _, _, keys) = wl.event(ev);
+        ix.store(keys, e, Medium::Gpu);
+    }
+    ix
+}
+
+/// Apply `churn` (its removals' keys in `removals`) to kvroute's precise store.
+fn precise_churn(ix: &mut PrefixIndex, churn: &Churn, removals: &[(usize, Vec<u64>)]) {
+    for (k, (e, removed)) in removals.iter().enumerate() {
+        ix.remove(removed, *e, Medium::Gpu);
+        let (e, _, _, keys) = churn.store(k);
+        ix.store(keys, e, Medium::Gpu);
+    }
+}
+
+/// Per-endpoint overlap of each probe in `ix`.
+fn overlaps(ix: &PrefixIndex, probes: &[RequestKeys]) -> Vec<Vec<u32>> {
+    let weights = MatchWeights::new(&TierWeights::default());
+    let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
+    probes
+        .iter()
+        .map(|k| {
+            ix.match_blocks(k, &weights, &mut out, &mut scratch);
+            out.blocks()
+        })
+        .collect()
+}
+
 fn kvroute_precise(c: &mut Criterion, inp: &Inputs, runs: usize, group: &str) -> Row {
     let wl = &inp.wl;
-    let cap = wl.shape.capacity_per_endpoint;
-    let build = || {
-        let mut ix: PrefixIndex = PrefixIndex::new(0, cap);
-        for e in 0..inp.w {
-            ix.activate(e);
-        }
-        for ev in &wl.events {
-            let (e, _, _, keys) = wl.event(ev);
-            ix.store(keys, e, Medium::Gpu);
-        }
-        ix
-    };
+    let build = || precise_build(wl);
     let apply_s = time_apply(runs, || (), |()| build());
     let churn = |mut ix: PrefixIndex| {
-        for (k, (e, removed)) in inp.removals.iter().enumerate() {
-            ix.remove(removed, *e, Medium::Gpu);
-            let (e, _, _, keys) = inp.churn.store(k);
-            ix.store(keys, e, Medium::Gpu);
-        }
+        precise_churn(&mut ix, &inp.churn, &inp.removals);
         ix
     };
     let churn_s = time_apply(runs, build, churn);
@@ -854,25 +874,7 @@ fn main() {
         let shape = WorkloadShape::for_endpoints(w);
         let wl = PeerWorkload::generate(&shape, 7, 64);
         let probe_keys = wl.probe_keys();
-        let reference = {
-            let mut ix: PrefixIndex = PrefixIndex::new(0, shape.capacity_per_endpoint);
-            for e in 0..w {
-                ix.activate(e);
-            }
-            for ev in &wl.events {
-                let (e, _, _, keys) = wl.event(ev);
-                ix.store(keys, e, Medium::Gpu);
-            }
-            let weights = MatchWeights::new(&TierWeights::default());
-            let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
-            probe_keys
-                .iter()
-                .map(|k| {
-                    ix.match_blocks(k, &weights, &mut out, &mut scratch);
-                    out.blocks()
-                })
-                .collect::<Vec<_>>()
-        };
+        let reference = overlaps(&precise_build(&wl), &probe_keys);
         let hits = reference.iter().map(|r| r.iter().filter(|&&b| b > 0).count()).sum::<usize>();
         println!(
             "W={w}: {} memberships, {} placed blocks; probes hit {:.1} endpoints on average",
@@ -889,28 +891,9 @@ fn main() {
             .collect();
         let churn_blocks = churn.blocks(&wl);
         let reference_after = {
-            let mut ix: PrefixIndex = PrefixIndex::new(0, shape.capacity_per_endpoint);
-            for e in 0..w {
-                ix.activate(e);
-            }
-            for ev in &wl.events {
-                let (e, _, _, keys) = wl.event(ev);
-                ix.store(keys, e, Medium::Gpu);
-            }
-            for (k, (e, removed)) in removals.iter().enumerate() {
-                ix.remove(removed, *e, Medium::Gpu);
-                let (e, _, _, keys) = churn.store(k);
-                ix.store(keys, e, Medium::Gpu);
-            }
-            let weights = MatchWeights::new(&TierWeights::default());
-            let (mut out, mut scratch) = (PrefixMatch::default(), MatchScratch::default());
-            probe_keys
-                .iter()
-                .map(|k| {
-                    ix.match_blocks(k, &weights, &mut out, &mut scratch);
-                    out.blocks()
-                })
-                .collect::<Vec<_>>()
+            let mut ix = precise_build(&wl);
+            precise_churn(&mut ix, &churn, &removals);
+            overlaps(&ix, &probe_keys)
         };
         assert_ne!(reference_after, reference, "the churn changes what the probes find");
         let inp = Inputs {
