@@ -212,11 +212,15 @@ impl PeerWorkload {
         let mut seen = HashSet::new();
         let pairs: Vec<(usize, usize)> =
             self.placements.iter().map(|p| (p.endpoint, p.tenant)).filter(|&pair| seen.insert(pair)).collect();
+        // Each tenant's system prompt (contents, keys), from its first placement.
+        let mut systems: Vec<Option<(&[u64], &[u64])>> = vec![None; self.shape.tenants];
+        for p in &self.placements {
+            systems[p.tenant].get_or_insert((&p.contents[..s], &p.keys[..s]));
+        }
         let placements = (0..steps as u64)
             .map(|k| {
                 let (endpoint, tenant) = pairs[(splitmix(seed ^ k) % pairs.len() as u64) as usize];
-                let sys = self.placements.iter().find(|p| p.tenant == tenant).map_or(&[][..], |p| &p.keys[..s]);
-                let sys_c = self.placements.iter().find(|p| p.tenant == tenant).map_or(&[][..], |p| &p.contents[..s]);
+                let (sys_c, sys) = systems[tenant].unwrap_or((&[], &[]));
                 let mut cs = sys_c.to_vec();
                 contents(splitmix(seed.wrapping_add(k) ^ 0xc4a7_0000), self.shape.conversation_blocks, &mut cs);
                 let mut ks = sys.to_vec();
