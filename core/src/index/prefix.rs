@@ -1069,25 +1069,18 @@ impl PrefixIndex {
         let mut memo = Memo::new();
         let mut last = None;
         for &key in keys {
-            let found = match last {
-                Some(p) => self.store.find_after(p, key),
-                None => self.store.find(key),
-            };
+            // One probe for a block new to the store: it is born with the speculative record.
+            let (found, new) = self.store.find_after_or_insert(last, key, spec);
+            last = found;
             let born = match found {
-                Some(pos) => {
-                    last = Some(pos);
-                    self.update(pos, slot, &mut memo, |slots, old| match old {
-                        Some(o) if counted(slots, o) => (Some(o), false),
-                        Some(o) if o & SPEC != 0 && is_live(slots, o) => {
-                            (Some(if tick_after(tick, o & STAMP_MASK) { spec } else { o }), false)
-                        }
-                        _ => (Some(spec), true),
-                    })
-                }
-                None => {
-                    last = self.store.insert(key, spec);
-                    last.is_some()
-                }
+                Some(pos) if !new => self.update(pos, slot, &mut memo, |slots, old| match old {
+                    Some(o) if counted(slots, o) => (Some(o), false),
+                    Some(o) if o & SPEC != 0 && is_live(slots, o) => {
+                        (Some(if tick_after(tick, o & STAMP_MASK) { spec } else { o }), false)
+                    }
+                    _ => (Some(spec), true),
+                }),
+                found => found.is_some(),
             };
             if born {
                 self.slots[slot].spec += 1;

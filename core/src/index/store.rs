@@ -367,6 +367,22 @@ impl BlockStore {
         self.find_cold(key)
     }
 
+    /// [`BlockStore::find_after`], storing `key` with `head` when it is not live (one probe for
+    /// both, as [`BlockStore::find_or_insert_mixed`]): `(position, born)`.
+    pub(crate) fn find_after_or_insert(&mut self, pos: Option<usize>, key: u64, head: u32) -> (Option<usize>, bool) {
+        if let Some(next) = pos.map(|p| p + 1) {
+            if next < self.keys.len() && self.keys[next] == key && self.heads[next] != 0 {
+                return (Some(next), false);
+            }
+        }
+        self.find_or_insert_cold(key, head)
+    }
+
+    #[inline(never)]
+    fn find_or_insert_cold(&mut self, key: u64, head: u32) -> (Option<usize>, bool) {
+        self.find_or_insert_mixed(key, mix64(key), head)
+    }
+
     #[inline(never)]
     fn find_cold(&self, key: u64) -> Option<usize> {
         self.find(key)
@@ -651,6 +667,7 @@ impl BlockStore {
 
     /// Store the block `key` (not live) with `head`: at its dead position when the table still
     /// has it, else at the end of the arena. `None` when the arena is full ([`MAX_POSITIONS`]).
+    #[cfg(test)]
     pub(crate) fn insert(&mut self, key: u64, head: u32) -> Option<usize> {
         let (pos, born) = self.find_or_insert_mixed(key, mix64(key), head);
         debug_assert!(born || pos.is_none(), "insert of a live key");
