@@ -436,3 +436,85 @@ fn two_copies_follow_the_policy_across_reloads() {
     assert_eq!(back.precise.copies, 1);
     assert_eq!(back.precise.index, a.precise.index, "the index is kept");
 }
+
+/// The ledger a generated id `kvr-N` is kept in (`(N - 1) mod 8`, see `ledger_of` in
+/// `core/src/router/state.rs`).
+fn ledger_of_generated(id: &str) -> u64 {
+    let n: u64 = id.strip_prefix("kvr-").and_then(|n| n.parse().ok()).unwrap();
+    (n - 1) % 8
+}
+
+/// Threads book into ledgers of their own, and a request routed on one thread completes on
+/// another: its ledger follows from its id.
+#[test]
+fn requests_complete_on_any_thread() {
+    let r = Router::new(Policy::default());
+    for e in 0..2 {
+        r.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+    }
+    let req = RouteRequest::text("m", &"c".repeat(256 * 40));
+    // The first decision writes the prompt's blocks (the exclusive lock); the others book on
+    // the shared path, each thread into its home ledger.
+    let first = r.route(&req, 5).unwrap();
+    assert_eq!(ledger_of_generated(&first.request_id), 0, "the first thread's home is ledger 0");
+    let routed: Vec<Vec<String>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..3)
+            .map(|_| {
+                let (r, req) = (&r, &req);
+                sc.spawn(move || (0..50).map(|_| r.route(req, 5).unwrap().request_id).collect::<Vec<_>>())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let homes: HashSet<u64> = routed
+        .iter()
+        .map(|ids| {
+            let ledgers: HashSet<u64> = ids.iter().map(|id| ledger_of_generated(id)).collect();
+            assert_eq!(ledgers.len(), 1, "one thread, one ledger: {ids:?}");
+            ledgers.into_iter().next().unwrap()
+        })
+        .collect();
+    assert_eq!(homes, HashSet::from([1, 2, 3]), "each thread its own ledger");
+    let all: HashSet<&String> = routed.iter().flatten().collect();
+    assert_eq!(all.len(), 150, "every id unique");
+    assert_eq!(r.stats().inflight_requests, 151);
+    // Completed by other threads than the ones that routed them.
+    std::thread::scope(|sc| {
+        for ids in routed.iter().rev() {
+            let r = &r;
+            sc.spawn(move || ids.iter().for_each(|id| r.complete(id).unwrap()));
+        }
+    });
+    r.complete(&first.request_id).unwrap();
+    let stats = r.stats();
+    assert_eq!((stats.inflight_requests, stats.counters.routed), (0, 151));
+    assert!(r.endpoints().iter().all(|e| e.inflight == 0));
+}
+
+/// `limits.max_inflight_requests` holds across ledgers: a booking on the shared path reserves
+/// its place, and one that would pass the bound goes to the exclusive lock, which drops the
+/// oldest request.
+#[test]
+fn the_bound_on_requests_in_flight_holds_across_ledgers() {
+    let r = Router::from_json(r#"{"limits":{"max_inflight_requests":4}}"#).unwrap();
+    r.upsert_endpoint(EndpointSpec::new(id(0).as_str(), Role::Decode)).unwrap();
+    let req = RouteRequest::text("m", &"b".repeat(256 * 40));
+    r.route(&req, 5).unwrap();
+    std::thread::scope(|sc| {
+        for _ in 0..4 {
+            let (r, req) = (&r, &req);
+            sc.spawn(move || {
+                for i in 0..100 {
+                    r.route(req, 5).unwrap();
+                    if i % 10 == 0 {
+                        assert!(r.stats().inflight_requests <= 4);
+                    }
+                }
+            });
+        }
+    });
+    let stats = r.stats();
+    assert_eq!(stats.inflight_requests, 4);
+    assert_eq!(stats.counters.inflight_expired, 401 - 4);
+    assert_eq!(r.endpoints()[0].inflight, 4, "the dropped requests left the endpoint's load");
+}

@@ -247,7 +247,7 @@ fn the_outbox_is_bounded_and_batches_respect_their_bounds() {
     assert_eq!(sizes, vec![4, 4, 2]);
     let s = a.replica_stats().unwrap();
     assert_eq!((s.outbox_dropped, s.entries_out, s.outbox_len), (15, 10, 0));
-    // The newest ten survived: requests 15..25 (kvr-16 … kvr-25).
+    // The newest ten survived: the 16th to the 25th request.
     assert_eq!(b.replica_stats().unwrap().effects_applied, 10);
     // A byte bound splits batches too; one entry larger than the bound still goes alone.
     a.enable_replication(ReplicaConfig { max_batch_bytes: 64, ..ReplicaConfig::new("f", "a", 2) }).unwrap();

@@ -109,7 +109,7 @@ impl RouterCore {
     /// Drop every queued request with 503 `rejected-shutting-down` (as releases) and reject
     /// later admissions the same way (for a router about to stop).
     pub fn shutdown_queue(&mut self) {
-        let now = self.books.last_now_ms;
+        let now = self.books.last_now_ms();
         self.flow.shutdown(now);
     }
 

@@ -31,8 +31,8 @@ pub(super) struct Inflight {
 /// size bound). Completed requests leave a stale entry in the order queue, skipped when reached
 /// and compacted away when the queue grows to twice the table.
 ///
-/// This runs under the books' lock, which decisions and completions on other threads wait for,
-/// so it does little there: every id is hashed once, when it comes in (a completion's before
+/// A ledger's (`state::Ledger`), under the ledger's lock in a `Router`, which the decisions and
+/// completions of the same ledger on other threads wait for, so it does little there: every id is hashed once, when it comes in (a completion's before
 /// the lock: [`InflightTable::remove_hashed`]), and the table and the queue keep its hash; the
 /// queue's front is always live and carries its start, so the oldest request's start (read at
 /// every unlock) looks nothing up, and the queue is trimmed only when its front leaves.
@@ -116,6 +116,7 @@ impl InflightTable {
         }
     }
 
+    #[cfg(test)]
     pub fn remove(&mut self, id: &str) -> Option<Inflight> {
         self.remove_hashed(id_hash(id), id)
     }
@@ -195,10 +196,10 @@ impl InflightTable {
 /// many the memory starts over (each suffix then is probed once more at worst).
 const REUSED_IDS_MAX: usize = 4096;
 
-/// Request ids: the caller's (made unique when reused while in flight) or generated `kvr-N`.
+/// The memory of reused request ids (ids the router generates are the ledgers', see
+/// `state::Ledger`).
 #[derive(Debug)]
 pub(super) struct RequestIds {
-    next_request: u64,
     /// Next suffix per reused request id.
     reused_ids: HashMap<Arc<str>, u64, Xxh3DefaultBuilder>,
     /// In-flight lookups made to find a unique suffix for reused ids (tests).
@@ -207,51 +208,38 @@ pub(super) struct RequestIds {
 
 impl RequestIds {
     pub fn new() -> Self {
-        RequestIds { next_request: 0, reused_ids: HashMap::with_hasher(Xxh3DefaultBuilder), probes: 0 }
+        RequestIds { reused_ids: HashMap::with_hasher(Xxh3DefaultBuilder), probes: 0 }
     }
 
-    /// The id of a new decision for `req`, unique among the requests in flight.
-    pub fn assign(&mut self, inflight: &InflightTable, req: &RouteRequest) -> String {
-        match &req.request_id {
-            Some(id) if !inflight.contains(id.as_str()) => id.clone(),
-            Some(id) => {
-                // The caller reused an id still in flight: make it unique (`{id}~{n}`) so neither
-                // request's counters are lost; the decision carries the id to complete with. The
-                // next suffix to try is remembered per reused id, so a suffix is probed at most
-                // once until the memory is cleared: O(1) amortized per decision, however many
-                // requests share the id.
-                if !self.reused_ids.contains_key(id.as_str()) {
-                    if self.reused_ids.len() >= REUSED_IDS_MAX {
-                        self.reused_ids.clear();
-                    }
-                    self.reused_ids.insert(Arc::from(id.as_str()), 2);
-                }
-                let Some(next) = self.reused_ids.get_mut(id.as_str()) else { return format!("{id}~2") };
-                loop {
-                    let candidate = format!("{id}~{next}");
-                    *next += 1;
-                    self.probes += 1;
-                    if !inflight.contains(candidate.as_str()) {
-                        return candidate;
-                    }
-                }
+    /// The id of a new decision whose caller gave it `id`, unique among the requests in flight
+    /// (`in_flight` says whether an id is).
+    pub fn assign(&mut self, id: &str, in_flight: impl Fn(&str) -> bool) -> String {
+        if !in_flight(id) {
+            return id.to_owned();
+        }
+        // The caller reused an id still in flight: make it unique (`{id}~{n}`) so neither
+        // request's counters are lost; the decision carries the id to complete with. The next
+        // suffix to try is remembered per reused id, so a suffix is probed at most once until
+        // the memory is cleared: O(1) amortized per decision, however many requests share the
+        // id.
+        if !self.reused_ids.contains_key(id) {
+            if self.reused_ids.len() >= REUSED_IDS_MAX {
+                self.reused_ids.clear();
             }
-            None => loop {
-                // Skip ids in flight (replicated from another instance, or given by a caller).
-                self.next_request += 1;
-                let id = format!("kvr-{}", self.next_request);
-                if !inflight.contains(id.as_str()) {
-                    return id;
-                }
-            },
+            self.reused_ids.insert(Arc::from(id), 2);
+        }
+        let Some(next) = self.reused_ids.get_mut(id) else { return format!("{id}~2") };
+        loop {
+            let candidate = format!("{id}~{next}");
+            *next += 1;
+            self.probes += 1;
+            if !in_flight(candidate.as_str()) {
+                return candidate;
+            }
         }
     }
 }
 
-/// The session-affinity key of a request: its session id within its tenant. The tenant is the
-/// fairness id and the cache_salt (an empty salt is no salt), so another tenant reusing a session
-/// id is never steered to the first tenant's endpoint. Each part is length-prefixed, so no two
-/// different (fairness id, salt, session id) triples share an input.
 pub(super) fn session_key(req: &RouteRequest) -> Option<u64> {
     let session = req.session_id.as_deref()?;
     let salt = req.cache_salt.as_deref().filter(|s| !s.is_empty());

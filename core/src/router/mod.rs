@@ -23,7 +23,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
@@ -33,7 +33,7 @@ use arc_swap::ArcSwap;
 
 pub use policy::ActivePolicy;
 pub use replication::ReplicaApplied;
-use state::Books;
+use state::{ledger_of, Books, Ledger, LedgerHold, LEDGERS};
 pub use state::{EndpointInfo, RouterCore, RouterCounters, RouterStats};
 
 use crate::config::Policy;
@@ -63,9 +63,11 @@ use route::{inflight_due_at, prepare_keys, BooksView, DecideScratch, KeyBufs};
 /// approximate-index writes are no-ops (the prompt is already held where it goes, as for a
 /// conversation's or a shared system prompt's repeat, or the approximate index is not used) and
 /// nothing else needs it, the write phase books under the same shared lock: the endpoints'
-/// loads are atomic counters, the requests in flight, sessions and counters sit behind a mutex
-/// of their own, held for a few hundred nanoseconds, and the precise index's speculation goes
-/// into its two copies beside lookups (below). Otherwise (new blocks for the approximate index,
+/// loads are atomic counters, the requests in flight, ids, draws and counters sit in eight
+/// ledgers, each behind a lock of its own held for a few hundred nanoseconds (a thread books
+/// the ids it generates into a ledger of its own, so threads do not share those locks or
+/// lines; a completion finds its request's ledger from the id), the sessions behind another,
+/// and the precise index's speculation goes into its two copies beside lookups (below). Otherwise (new blocks for the approximate index,
 /// a request in flight due to expire, flow control or replica publishing on) it runs under the
 /// exclusive lock. Completions likewise take the shared lock unless they are published to
 /// replicas. State another thread changed in between is read as it was when the read phase ran
@@ -119,46 +121,119 @@ std::thread_local! {
     static BUFS: std::cell::Cell<ThreadBufs> = std::cell::Cell::new(ThreadBufs::default());
 }
 
-/// The router's books under their mutex, and what a decision's read phase reads of them
-/// (`RouterCore::plan` through [`BooksView`], and whether maintenance is due), published at
-/// every unlock: a request without a session reads these instead of taking the mutex, so a
-/// decision on the shared path takes it twice (its booking and its completion) instead of
-/// three times. The published values may be a moment old when the read phase reads them, as
-/// the state under the shared lock may; the booking checks under the mutex whether
-/// maintenance is due, and a decision sent back takes the exclusive lock as before.
+/// The router's books: the main part (sessions, the memory of reused ids, the counters of calls
+/// outside a booking, the latest time) under a mutex, and each ledger (`state::Ledger`: requests
+/// in flight, generated ids, draws, the bookings' counters) under a mutex of its own, on cache
+/// lines of its own, with what a decision's read phase reads of it (its draws, its oldest
+/// request in flight's start) published beside it at every unlock. A thread books the
+/// decisions it generates ids for into its home ledger (one per thread, handed out in turn),
+/// and a completion finds its request's ledger from the id alone, so two threads routing and
+/// completing their own requests take no common lock and write no common line of the books
+/// (the endpoints' load counters stay shared: they are the load). A decision on the shared
+/// path reads the published values (a moment old, as the state under the shared lock may be),
+/// locks its ledger for the booking and the main part only for a session.
 struct BooksCell {
-    books: Mutex<Books>,
-    /// `Books::draws` at the last unlock.
-    draws: AtomicU64,
-    /// When the oldest request in flight started at the last unlock (`u64::MAX`: none).
-    oldest_started: AtomicU64,
+    /// The main part; its `ledgers` are placeholders while the ledgers are in `ledgers`.
+    main: Mutex<Books>,
+    ledgers: Box<[CachePadded<LedgerCell>]>,
+    /// When each ledger's oldest request in flight started, at most (`u64::MAX`: none), on a
+    /// line of their own that every decision reads: a lower bound, lowered when a ledger's
+    /// oldest request is older than it says, and set exactly by every exclusive call. Raising
+    /// it at every completion would write the line other threads read at every decision; a
+    /// bound left low only sends a decision to the exclusive lock (which expires nothing, and
+    /// sets it exactly) once `limits.inflight_timeout_ms` has passed since it was set.
+    oldest: CachePadded<[AtomicU64; LEDGERS]>,
+    /// Requests in flight in all ledgers, with the reservations of bookings under way: a
+    /// booking on the shared path reserves its place here first, so that
+    /// `limits.max_inflight_requests` holds across ledgers (set exactly after every exclusive
+    /// call).
+    inflight: CachePadded<AtomicUsize>,
     /// The latest `now` of the events applied beside decisions (0: none), for
-    /// `Books::last_now_ms`: event application does not take the books' mutex, and every holder
-    /// takes it into account as the events would have (`last_now_ms` only moves forward, so
-    /// folding it in again changes nothing). Never reset, so an event thread writes it only
-    /// when its time moves, and on a line of its own: the lookups that lock the books only
-    /// read it.
+    /// `Books::last_now_ms`: event application does not take the books' locks, and every holder
+    /// of the main part takes it into account as the events would have (`last_now_ms` only
+    /// moves forward, so folding it in again changes nothing). Never reset, so an event thread
+    /// writes it only when its time moves, and on a line of its own.
     events_now: CachePadded<AtomicU64>,
+    /// This cell's identity: a thread remembers its home ledger for the last router it used.
+    uid: u64,
+    /// Home ledgers handed out so far (the next thread gets the next one).
+    homes: AtomicUsize,
+}
+
+/// One ledger and its draws at its last unlock (read by the decisions booked into it: on the
+/// same line).
+struct LedgerCell {
+    ledger: Mutex<Box<Ledger>>,
+    /// `Ledger::draws`.
+    draws: AtomicU64,
+}
+
+std::thread_local! {
+    /// The router (`BooksCell::uid`) this thread last used and its home ledger there.
+    static HOME: std::cell::Cell<(u64, usize)> = const { std::cell::Cell::new((0, 0)) };
 }
 
 impl BooksCell {
-    fn new(books: Books) -> Self {
-        let cell = BooksCell {
-            books: Mutex::new(books),
-            draws: AtomicU64::new(0),
-            oldest_started: AtomicU64::new(0),
+    fn new(mut books: Books) -> Self {
+        static UIDS: AtomicU64 = AtomicU64::new(1);
+        let oldest = std::array::from_fn(|i| AtomicU64::new(oldest_of(&books.ledgers[i])));
+        let ledgers = books
+            .ledgers
+            .iter_mut()
+            .enumerate()
+            .map(|(i, l)| {
+                let ledger = std::mem::replace(l, Box::new(Ledger::new(i)));
+                CachePadded::new(LedgerCell { draws: AtomicU64::new(ledger.draws), ledger: Mutex::new(ledger) })
+            })
+            .collect();
+        BooksCell {
+            oldest: CachePadded::new(oldest),
+            inflight: CachePadded::new(AtomicUsize::new(books.inflight_len())),
+            main: Mutex::new(books),
+            ledgers,
             events_now: CachePadded::new(AtomicU64::new(0)),
-        };
-        drop(cell.lock());
-        cell
+            uid: UIDS.fetch_add(1, Ordering::Relaxed),
+            homes: AtomicUsize::new(0),
+        }
     }
 
-    /// The books, locked until the guard drops (which publishes them).
-    fn lock(&self) -> BooksGuard<'_> {
-        let mut books = self.books.lock().unwrap_or_else(PoisonError::into_inner);
+    /// The main part, locked.
+    fn lock_main(&self) -> MutexGuard<'_, Books> {
+        let mut books = self.main.lock().unwrap_or_else(PoisonError::into_inner);
         // Only read: the line stays shared until events at a later time come.
         books.last_now_ms = books.last_now_ms.max(self.events_now.load(Ordering::Relaxed));
-        BooksGuard { books, cell: self }
+        books
+    }
+
+    /// Ledger `i`, locked until the guard drops (which publishes it).
+    fn lock_ledger(&self, i: usize) -> LedgerGuard<'_> {
+        let cell = &self.ledgers[i];
+        LedgerGuard {
+            ledger: cell.ledger.lock().unwrap_or_else(PoisonError::into_inner),
+            cell,
+            oldest: &self.oldest[i],
+        }
+    }
+
+    /// The calling thread's home ledger here (the first thread to ask gets ledger 0, so one
+    /// thread alone books as a `RouterCore` does).
+    fn home(&self) -> usize {
+        HOME.try_with(|h| {
+            let (uid, i) = h.get();
+            if uid == self.uid {
+                i
+            } else {
+                let i = self.homes.fetch_add(1, Ordering::Relaxed) % LEDGERS;
+                h.set((self.uid, i));
+                i
+            }
+        })
+        .unwrap_or(0)
+    }
+
+    /// The ledger a decision for `req` books into on this thread.
+    fn ledger_for(&self, req: &RouteRequest) -> usize {
+        req.request_id.as_deref().map_or_else(|| self.home(), |id| ledger_of(id, inflight::id_hash(id)))
     }
 
     /// Events applied at `now_ms` (see `events_now`).
@@ -168,64 +243,96 @@ impl BooksCell {
         }
     }
 
-    fn publish(&self, books: &Books) {
-        self.draws.store(books.draws(), Ordering::Relaxed);
-        self.oldest_started.store(books.oldest_started().unwrap_or(u64::MAX), Ordering::Relaxed);
+    /// Ledger `at`'s published draws and the oldest request in flight's start over every ledger
+    /// (at most: see `oldest`).
+    fn published(&self, at: usize) -> (u64, Option<u64>) {
+        (self.ledgers[at].draws.load(Ordering::Relaxed), self.oldest_except(usize::MAX))
     }
 
-    /// The published draws and oldest request in flight's start.
-    fn published(&self) -> (u64, Option<u64>) {
-        let oldest = self.oldest_started.load(Ordering::Relaxed);
-        (self.draws.load(Ordering::Relaxed), (oldest != u64::MAX).then_some(oldest))
+    /// The oldest published start of a request in flight in the ledgers other than `at`.
+    fn oldest_except(&self, at: usize) -> Option<u64> {
+        let starts = self.oldest.iter().enumerate().filter(|&(i, _)| i != at);
+        let oldest = starts.map(|(_, t)| t.load(Ordering::Relaxed)).min().unwrap_or(u64::MAX);
+        (oldest != u64::MAX).then_some(oldest)
     }
 }
 
-/// The books locked; dropping it publishes them (`BooksCell`), then unlocks.
-struct BooksGuard<'a> {
-    books: MutexGuard<'a, Books>,
-    cell: &'a BooksCell,
+/// When `ledger`'s oldest request in flight started (`u64::MAX`: none).
+fn oldest_of(ledger: &Ledger) -> u64 {
+    ledger.inflight.oldest_started().unwrap_or(u64::MAX)
 }
 
-impl Drop for BooksGuard<'_> {
+/// A ledger locked; dropping it publishes it (`BooksCell`), then unlocks.
+struct LedgerGuard<'a> {
+    ledger: MutexGuard<'a, Box<Ledger>>,
+    cell: &'a LedgerCell,
+    /// The ledger's slot in `BooksCell::oldest`.
+    oldest: &'a AtomicU64,
+}
+
+impl LedgerGuard<'_> {
+    /// Publish the ledger's oldest start exactly (under the exclusive lock).
+    fn publish_exactly(&self) {
+        let oldest = oldest_of(&self.ledger);
+        if self.oldest.load(Ordering::Relaxed) != oldest {
+            self.oldest.store(oldest, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for LedgerGuard<'_> {
     fn drop(&mut self) {
-        self.cell.publish(&self.books);
+        let l = &self.ledger;
+        // Lowered only (see `BooksCell::oldest`), and the draws written only when changed.
+        let oldest = oldest_of(l);
+        if oldest < self.oldest.load(Ordering::Relaxed) {
+            self.oldest.fetch_min(oldest, Ordering::Relaxed);
+        }
+        if self.cell.draws.load(Ordering::Relaxed) != l.draws {
+            self.cell.draws.store(l.draws, Ordering::Relaxed);
+        }
     }
 }
 
-impl std::ops::Deref for BooksGuard<'_> {
-    type Target = Books;
-
-    fn deref(&self) -> &Books {
-        &self.books
-    }
-}
-
-impl std::ops::DerefMut for BooksGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Books {
-        &mut self.books
-    }
-}
-
-/// The core under the exclusive lock with its books put back (taken out again on drop).
+/// The core under the exclusive lock with its books put back, the main part and every ledger,
+/// its home ledger the calling thread's (taken out again on drop).
 struct CoreMut<'a> {
-    /// The router's books cell, holding the core's placeholder while the guard lives (named
-    /// apart from `RouterCore::books`, which `lock().books` must reach through `Deref`).
-    /// Declared first, so dropped first: the books, back in the cell, are published and
-    /// unlocked before the exclusive lock is released.
-    cell: BooksGuard<'a>,
+    /// The router's books, holding the core's placeholders while the guard lives (named apart
+    /// from `RouterCore::books`, which `lock().books` must reach through `Deref`). Declared
+    /// first, so dropped first: the books, back in the cell, are published and unlocked
+    /// before the exclusive lock is released.
+    main: MutexGuard<'a, Books>,
+    ledgers: [LedgerGuard<'a>; LEDGERS],
+    cell: &'a BooksCell,
     core: ShardedLockWriteGuard<'a, RouterCore>,
 }
 
 impl<'a> CoreMut<'a> {
-    fn new(mut core: ShardedLockWriteGuard<'a, RouterCore>, mut books: BooksGuard<'a>) -> Self {
-        std::mem::swap(&mut core.books, &mut *books);
-        CoreMut { cell: books, core }
+    fn new(mut core: ShardedLockWriteGuard<'a, RouterCore>, cell: &'a BooksCell) -> Self {
+        let home = cell.home();
+        let mut main = cell.lock_main();
+        let mut ledgers: [LedgerGuard<'a>; LEDGERS] = std::array::from_fn(|i| cell.lock_ledger(i));
+        std::mem::swap(&mut core.books, &mut *main);
+        for (mine, theirs) in core.books.ledgers.iter_mut().zip(&mut ledgers) {
+            std::mem::swap(mine, &mut *theirs.ledger);
+        }
+        core.books.home = home;
+        CoreMut { main, ledgers, cell, core }
     }
 }
 
 impl Drop for CoreMut<'_> {
     fn drop(&mut self) {
-        std::mem::swap(&mut self.core.books, &mut *self.cell);
+        for (mine, theirs) in self.core.books.ledgers.iter_mut().zip(&mut self.ledgers) {
+            std::mem::swap(mine, &mut *theirs.ledger);
+        }
+        std::mem::swap(&mut self.core.books, &mut *self.main);
+        // Nothing books on the shared path meanwhile (it holds the shared lock).
+        let inflight = self.ledgers.iter().map(|g| g.ledger.inflight.len()).sum();
+        self.cell.inflight.store(inflight, Ordering::Relaxed);
+        for g in &self.ledgers {
+            g.publish_exactly();
+        }
     }
 }
 
@@ -276,18 +383,13 @@ impl Router {
         // Nothing in the core panics while holding the lock; should a bug ever do so, the state
         // is still structurally valid, so keep serving rather than poison every later call.
         let core = self.core.write().unwrap_or_else(PoisonError::into_inner);
-        CoreMut::new(core, self.books())
+        CoreMut::new(core, &self.books)
     }
 
     /// The core under the shared lock, without its books (they are in `self.books`): only for
     /// calls that do not read them (the decision's and completion's shared paths take both).
     fn read(&self) -> ShardedLockReadGuard<'_, RouterCore> {
         self.core.read().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The books (after the core's lock, when both are taken).
-    fn books(&self) -> BooksGuard<'_> {
-        self.books.lock()
     }
 
     /// Run `f` on the core under the lock (for several operations that must see one state).
@@ -400,10 +502,14 @@ impl Router {
         let hash = inflight::id_hash(request_id);
         {
             let core = self.read();
-            // The request leaves the books under their lock; its endpoints' loads (atomic
-            // counters, changed only after the booking that added to them) after it.
-            let taken = core.complete_shared(&mut self.books(), request_id, hash);
+            // The request leaves its ledger under the ledger's lock; its endpoints' loads
+            // (atomic counters, changed only after the booking that added to them) after it.
+            let taken =
+                core.complete_shared(&mut self.books.lock_ledger(ledger_of(request_id, hash)).ledger, request_id, hash);
             if let Some(taken) = taken {
+                if taken.is_ok() {
+                    self.books.inflight.fetch_sub(1, Ordering::Relaxed);
+                }
                 return taken.map(|f| core.release(&f));
             }
         }
@@ -425,7 +531,9 @@ impl Router {
     /// counted twice. Replicate completions with [`Router::complete`] on every instance.
     ///
     /// Request ids must be unique across the instances (give every request an `x-request-id`, as
-    /// Envoy does): generated `kvr-N` ids are unique only within one instance.
+    /// Envoy does): generated `kvr-N` ids are unique only within one instance (they are unique
+    /// and increasing per thread, not consecutive: a thread's ids are those of its ledger, `N`
+    /// with `(N - 1) mod 8` its ledger's index).
     ///
     /// Errors: `UnknownEndpoint` when the target or prefill endpoint is not registered here
     /// (nothing is applied).
@@ -634,7 +742,7 @@ impl Router {
         let req = match RouteRequest::parse(body, headers, &active.policy.config().request) {
             Ok(r) => r,
             Err(e) => {
-                self.books().counters.route_errors += 1;
+                self.books.lock_main().counters.route_errors += 1;
                 return Err(e.into());
             }
         };
@@ -691,28 +799,40 @@ impl Router {
                 kv_due = !core.expire_shared(now_ms);
                 kv = Some(core.kv.read());
             }
-            // A request without a session reads what the books published at their last
-            // unlock; one with a session reads its affinity from them, under their lock.
-            let view = match session_key(req) {
-                None => {
-                    let (draws, oldest_started) = self.books.published();
-                    (!kv_due && !inflight_due_at(oldest_started, active, now_ms)).then(|| BooksView::sessionless(draws))
-                }
-                key => {
-                    let books = self.books();
-                    (!kv_due && !inflight_due_at(books.oldest_started(), active, now_ms)).then(|| books.view_of(key))
-                }
-            };
+            // The read phase reads what the ledgers published at their last unlock; a request
+            // with a session reads its affinity from the books' main part, under its lock.
+            let at = self.books.ledger_for(req);
+            let (draws, oldest_started) = self.books.published(at);
+            let view = (!kv_due && !inflight_due_at(oldest_started, active, now_ms)).then(|| match session_key(req) {
+                None => BooksView::sessionless(draws),
+                Some(key) => BooksView::new(draws, self.books.lock_main().session(key)),
+            });
             match view {
                 None => None,
                 Some(view) => {
                     let plan = core.plan(kv.as_deref(), view, active, req, keys, now_ms, s);
                     drop(kv);
-                    // The books' lock is held for the booking only (the guard is a temporary of
-                    // this statement); the speculation and the decision come after it.
-                    let booking = core.commit_shared(&mut self.books(), active, req, keys, plan, now_ms, s);
+                    // The ledger's lock is held for the booking only; the session, the
+                    // speculation and the decision come after it.
+                    let booking = {
+                        let mut ledger = self.books.lock_ledger(at);
+                        let mut hold = LedgerHold {
+                            ledger: &mut ledger.ledger,
+                            index: at,
+                            oldest_elsewhere: self.books.oldest_except(at),
+                            in_flight_after: self.books.inflight.fetch_add(1, Ordering::Relaxed) + 1,
+                        };
+                        let booking = core.commit_shared(&mut hold, active, req, keys, plan, now_ms, s);
+                        if booking.is_err() {
+                            self.books.inflight.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        booking
+                    };
                     match booking {
                         Ok(b) => {
+                            if b.has_session() {
+                                self.books.lock_main().keep_session(&b);
+                            }
                             if b.speculate {
                                 core.speculate_shared(active, keys, &b, s, now_ms);
                             }

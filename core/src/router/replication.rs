@@ -51,10 +51,10 @@ impl RouterCore {
             slot: t_slot,
             incarnation: ep.incarnation,
         });
-        if let Some(request_id) = request_id.filter(|id| !self.books.inflight.contains(id)) {
+        if let Some(request_id) = request_id.filter(|id| !self.books.contains(id)) {
             let t = self.track(t_slot, e.now_ms, 0);
             let p = p_slot.map(|p| self.track(p, e.now_ms, 0));
-            self.books.inflight.insert(request_id, t, p, e.now_ms, 0);
+            self.books.insert(request_id, t, p, e.now_ms, 0);
             let max = self.active.policy.config().limits.max_inflight_requests;
             self.bound_inflight(max);
         }
@@ -205,7 +205,7 @@ impl RouterCore {
                         }
                         ReplicaEntry::Complete(rid) => {
                             let id = remote_request_id(&batch.replica, batch.epoch, rid);
-                            let removed = self.books.inflight.remove(&id);
+                            let removed = self.books.remove(&id);
                             match removed {
                                 Some(f) => {
                                     self.release(&f);
@@ -259,7 +259,7 @@ impl RouterCore {
 
     fn drop_remote_inflight(&mut self, replica: &str, epoch: u64) -> u64 {
         let prefix = remote_prefix(replica, epoch);
-        let gone = self.books.inflight.drain_where(|id| id.starts_with(&prefix));
+        let gone = self.books.drain_where(|id| id.starts_with(&prefix));
         for f in &gone {
             self.release(f);
         }

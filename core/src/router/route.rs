@@ -17,9 +17,9 @@
 
 use std::sync::Arc;
 
-use super::inflight::{session_key, SlotRef};
+use super::inflight::{id_hash, session_key, SlotRef};
 use super::policy::ActivePolicy;
-use super::state::{bound_inflight, track, Books, RouterCore};
+use super::state::{bound_inflight, ledger_of, track, Books, Ledger, LedgerHold, RouterCore};
 use crate::admission;
 use crate::approx::RequestKeys;
 use crate::config::{IndexMode, PickerConfig};
@@ -227,6 +227,9 @@ pub(crate) struct SharedBooking {
     booked: Booked,
     /// The decision's speculation is still to be written ([`RouterCore::speculate_shared`]).
     pub(crate) speculate: bool,
+    /// The session key and the target, for the sessions ([`Books::keep_session`], after the
+    /// ledger's lock).
+    session: Option<(u64, SlotRef)>,
 }
 
 /// The decode endpoint picked.
@@ -264,26 +267,53 @@ pub(crate) struct BooksView {
 impl Books {
     /// What [`RouterCore::plan`] reads of them for `req`.
     pub(crate) fn view(&self, req: &RouteRequest) -> BooksView {
-        self.view_of(session_key(req))
+        self.view_of(self.ledger_for(req), session_key(req))
     }
 
-    /// [`Books::view`] for a request whose session key (`session_key`) is `session`.
-    pub(crate) fn view_of(&self, session: Option<u64>) -> BooksView {
-        BooksView { draws: self.draws, session: session.and_then(|k| self.sessions.peek(&k).copied()) }
+    /// [`Books::view`] for a request booked into ledger `ledger` whose session key
+    /// (`session_key`) is `session`.
+    pub(crate) fn view_of(&self, ledger: usize, session: Option<u64>) -> BooksView {
+        BooksView { draws: self.ledgers[ledger].draws, session: session.and_then(|k| self.sessions.peek(&k).copied()) }
     }
 
-    /// The picker's draws so far.
-    pub(crate) fn draws(&self) -> u64 {
-        self.draws
+    /// The picker's draws so far in ledger `ledger`.
+    #[cfg(test)]
+    pub(crate) fn draws(&self, ledger: usize) -> u64 {
+        self.ledgers[ledger].draws
     }
+}
 
-    /// When the oldest request in flight started (`None`: none in flight).
-    pub(crate) fn oldest_started(&self) -> Option<u64> {
-        self.inflight.oldest_started()
+impl Books {
+    /// The session affinity of a decision booked on the shared path (the sessions are not in
+    /// the ledger it held).
+    pub(crate) fn keep_session(&mut self, b: &SharedBooking) {
+        if let Some((k, target)) = b.session {
+            self.sessions.push(k, target);
+        }
+    }
+}
+
+impl Books {
+    /// Session `key`'s affinity.
+    pub(super) fn session(&self, key: u64) -> Option<SlotRef> {
+        self.sessions.peek(&key).copied()
+    }
+}
+
+impl SharedBooking {
+    /// Whether the decision has a session to keep ([`Books::keep_session`]).
+    pub(crate) fn has_session(&self) -> bool {
+        self.session.is_some()
     }
 }
 
 impl BooksView {
+    /// The view of books with `draws` draws for a request whose session's affinity is
+    /// `session`.
+    pub(super) fn new(draws: u64, session: Option<SlotRef>) -> Self {
+        BooksView { draws, session }
+    }
+
     /// The view of books with `draws` draws for a request without a session: what
     /// [`Books::view`] gives for it.
     pub(crate) fn sessionless(draws: u64) -> Self {
@@ -335,12 +365,13 @@ fn precise_held(keys: &KeyBufs, s: &DecideScratch, slot: u16) -> u32 {
 }
 
 /// Phase 6, the books: what routing the request there changes besides the indexes (the
-/// endpoints' loads, the request in flight, the session, the counters).
+/// endpoints' loads, the request in flight and the counters, in `ledger`: the request id's), and
+/// the target, for the session (the caller's, with the bound on requests in flight).
 #[allow(clippy::too_many_arguments)]
 fn book(
     active: &ActivePolicy,
     endpoints: &EndpointTable,
-    books: &mut Books,
+    ledger: &mut Ledger,
     keys: &KeyBufs,
     f: &Features,
     d: usize,
@@ -348,7 +379,7 @@ fn book(
     request_id: &str,
     now_ms: u64,
     s: &DecideScratch,
-) -> Booked {
+) -> (Booked, SlotRef) {
     let cfg = active.policy.config();
     let d_slot = s.slots[d];
     let p_slot = m.prefill.map(|p| s.slots[p]);
@@ -361,12 +392,8 @@ fn book(
             precise_skip[i] = precise_held(keys, s, slot);
         }
     }
-    books.inflight.insert(request_id, target, prefill_ref, now_ms, f.tokens);
-    bound_inflight(endpoints, books, cfg.limits.max_inflight_requests);
-    if let Some(k) = f.session_key {
-        books.sessions.push(k, target);
-    }
-    let c = &mut books.counters;
+    ledger.inflight.insert(request_id, target, prefill_ref, now_ms, f.tokens);
+    let c = &mut ledger.counters;
     c.decisions_by_rule[rule_index(m.rule)] += 1;
     let hit = f.scores[d].prefix_hit;
     c.routed += 1;
@@ -376,7 +403,7 @@ fn book(
             *b += 1;
         }
     }
-    Booked { precise_skip, expires_ms }
+    (Booked { precise_skip, expires_ms }, target)
 }
 
 fn rule_index(rule: Rule) -> usize {
@@ -591,7 +618,9 @@ impl RouterCore {
         if keys.tokenize_failed {
             self.books.counters.tokenize_errors += 1;
         }
-        self.books.draws = self.books.draws.wrapping_add(1);
+        let at = self.books.ledger_for(req);
+        let ledger = &mut self.books.ledgers[at];
+        ledger.draws = ledger.draws.wrapping_add(1);
         // Skip the index writes the read phase found to be no-ops, unless an index was written
         // since (by another thread's decision, events, or `maintain` above).
         let quiet = plan.quiet == (true, true) && plan.writes == (self.index.writes(), self.kv.writes());
@@ -602,16 +631,12 @@ impl RouterCore {
                 return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
             }
             Planned::Shed(pick, shed) => {
-                let b = &mut self.books;
-                let request_id = b.ids.assign(&b.inflight, req);
+                let request_id = self.books.assign(req);
                 return Ok(self.shed(active, request_id, f, pick, shed));
             }
             Planned::Route(pick, m) => (pick, m),
         };
-        let request_id = {
-            let b = &mut self.books;
-            b.ids.assign(&b.inflight, req)
-        };
+        let request_id = self.books.assign(req);
         if active.policy.config().flow_control.enabled {
             // Flow control owns shedding (the request went through `admit`); one request it
             // released is now routed.
@@ -620,7 +645,16 @@ impl RouterCore {
         if !quiet {
             self.write_indexes(keys, &f, &IndexWrites::new(active, pick.d, m.prefill, s, now_ms), s);
         }
-        let booked = book(active, &self.endpoints, &mut self.books, keys, &f, pick.d, &m, &request_id, now_ms, s);
+        let booked = {
+            let (b, endpoints) = (&mut self.books, &self.endpoints);
+            let ledger = &mut b.ledgers[ledger_of(&request_id, id_hash(&request_id))];
+            let (booked, target) = book(active, endpoints, ledger, keys, &f, pick.d, &m, &request_id, now_ms, s);
+            bound_inflight(endpoints, b, active.policy.config().limits.max_inflight_requests);
+            if let Some(k) = f.session_key {
+                b.sessions.push(k, target);
+            }
+            booked
+        };
         let mut d = self.routed(active, keys, request_id, f, pick, m, booked, now_ms);
         if let Some(r) = self.replica.as_mut().filter(|r| r.cfg.publish) {
             if let Some(e) = &d.effect {
@@ -848,19 +882,23 @@ impl RouterCore {
 
     /// The write phase under a shared lock ([`Router`](crate::Router)'s decisions): applies
     /// `plan` exactly as [`RouterCore::commit`] would, when that changes nothing but the
-    /// endpoints' atomic loads, the books (requests in flight, ids, sessions, counters, behind
-    /// their own mutex) and the precise index's speculation (written beside lookups into its
+    /// endpoints' atomic loads, the ledger `hold` (requests in flight, ids, draws, counters,
+    /// behind its own lock: the one the request's id belongs to, [`Books::ledger_for`]), the
+    /// session (kept by the caller after the ledger's lock, [`Books::keep_session`]) and the
+    /// precise index's speculation (written beside lookups into its
     /// two copies by [`RouterCore::speculate_shared`] when [`SharedBooking::speculate`] says
     /// so): the plan is current (same epoch and roster, no index written since through the
     /// exclusive lock), it routes, its approximate-index writes are no-ops, no request in flight
     /// is due to expire at `now_ms` (the caller withdrew the speculation due, see
-    /// [`RouterCore::expire_shared`]), and neither flow control nor replica publishing is on.
+    /// [`RouterCore::expire_shared`]), the request fits under `limits.max_inflight_requests`
+    /// (counting the reservation in `hold`), and neither flow control nor replica publishing is
+    /// on.
     /// Otherwise the plan comes back for [`RouterCore::commit`] under the exclusive lock.
     // The plan goes back by value (no allocation on the way to the exclusive lock).
     #[allow(clippy::result_large_err, clippy::too_many_arguments)]
     pub(crate) fn commit_shared(
         &self,
-        books: &mut Books,
+        hold: &mut LedgerHold<'_>,
         active: &ActivePolicy,
         req: &RouteRequest,
         keys: &KeyBufs,
@@ -877,11 +915,17 @@ impl RouterCore {
             && (precise_quiet || shared_kv)
             && plan.writes == (self.index.writes(), self.kv.writes());
         let cfg = active.policy.config();
+        let ledger = &mut *hold.ledger;
+        let oldest = match (ledger.inflight.oldest_started(), hold.oldest_elsewhere) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if !current
             || cfg.flow_control.enabled
             || self.replica.as_ref().is_some_and(|r| r.cfg.publish)
-            || inflight_due_at(books.oldest_started(), active, now_ms)
+            || inflight_due_at(oldest, active, now_ms)
             || (!shared_kv && self.kv.read().expiry_due(now_ms))
+            || hold.in_flight_after > cfg.limits.max_inflight_requests
         {
             return Err(plan);
         }
@@ -892,15 +936,20 @@ impl RouterCore {
         };
         // `maintain` at `now_ms`, with nothing due: only the latest time seen and the
         // speculation's clock move.
-        books.last_now_ms = books.last_now_ms.max(now_ms);
+        ledger.last_now_ms = ledger.last_now_ms.max(now_ms);
         self.kv.observe_clock(now_ms);
-        books.draws = books.draws.wrapping_add(1);
+        ledger.draws = ledger.draws.wrapping_add(1);
         if keys.tokenize_failed {
-            books.counters.tokenize_errors += 1;
+            ledger.counters.tokenize_errors += 1;
         }
-        let request_id = books.ids.assign(&books.inflight, req);
-        let booked = book(active, &self.endpoints, books, keys, &f, pick.d, &m, &request_id, now_ms, s);
-        Ok(SharedBooking { request_id, f, pick, m, booked, speculate: !precise_quiet })
+        let request_id = match &req.request_id {
+            Some(id) => ledger.caller_id(id),
+            None => ledger.generate_id(hold.index),
+        };
+        debug_assert_eq!(ledger_of(&request_id, id_hash(&request_id)), hold.index, "booked into the id's ledger");
+        let (booked, target) = book(active, &self.endpoints, ledger, keys, &f, pick.d, &m, &request_id, now_ms, s);
+        let session = f.session_key.map(|k| (k, target));
+        Ok(SharedBooking { request_id, f, pick, m, booked, speculate: !precise_quiet, session })
     }
 
     /// The decision of a request [`RouterCore::commit_shared`] booked, built after the books'

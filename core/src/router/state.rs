@@ -9,7 +9,7 @@ use lru::LruCache;
 use serde::Serialize;
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
-use super::inflight::{Inflight, InflightTable, RequestIds, SlotRef};
+use super::inflight::{id_hash, Inflight, InflightTable, RequestIds, SlotRef};
 use super::kv_cell::KvCell;
 use super::policy::ActivePolicy;
 use super::route::{DecideScratch, KeyBufs};
@@ -20,6 +20,7 @@ use crate::flow::{FlowController, FlowStats};
 use crate::index::{ApproxIndex, IndexStats};
 use crate::precise::events::EventBatch;
 use crate::precise::{ApplyOutcome, KvIndex, PreciseStats};
+use crate::request::RouteRequest;
 
 /// Counters kept by the router (for metrics exposition by the bindings).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -47,6 +48,41 @@ pub struct RouterCounters {
     pub routed: u64,
     /// Routing effects of other router instances applied (`Router::apply_effect`).
     pub effects_applied: u64,
+}
+
+impl RouterCounters {
+    /// Add `o`'s counts to these.
+    pub(super) fn add(&mut self, o: &RouterCounters) {
+        // Destructured: a counter added later cannot be left out of the sum.
+        let RouterCounters {
+            decisions_by_rule,
+            route_errors,
+            reloads,
+            reload_failures,
+            index_resets,
+            inflight_expired,
+            tokenize_errors,
+            prefix_hit_buckets,
+            prefix_hit_sum,
+            routed,
+            effects_applied,
+        } = o;
+        for (a, b) in self.decisions_by_rule.iter_mut().zip(decisions_by_rule) {
+            *a += b;
+        }
+        for (a, b) in self.prefix_hit_buckets.iter_mut().zip(prefix_hit_buckets) {
+            *a += b;
+        }
+        self.route_errors += route_errors;
+        self.reloads += reloads;
+        self.reload_failures += reload_failures;
+        self.index_resets += index_resets;
+        self.inflight_expired += inflight_expired;
+        self.tokenize_errors += tokenize_errors;
+        self.prefix_hit_sum += prefix_hit_sum;
+        self.routed += routed;
+        self.effects_applied += effects_applied;
+    }
 }
 
 /// A snapshot of the router's state.
@@ -107,10 +143,11 @@ pub struct RouterCore {
     /// (counted likewise); two copies under a [`Router`](crate::Router) (see `kv_cell.rs`).
     pub(super) kv: KvCell,
     /// Requests in flight, request ids, sessions, counters, the picker's draws and the latest
-    /// time seen: what every decision and completion books. A [`Router`](crate::Router) keeps
-    /// them beside the core, under a mutex of its own, so that decisions whose index writes are
-    /// no-ops book under its shared lock ([`RouterCore::commit_shared`]); it puts them back here
-    /// for every call under its exclusive lock.
+    /// time seen: what every decision and completion books, in [`LEDGERS`] ledgers. A
+    /// [`Router`](crate::Router) keeps them beside the core, each ledger under a lock of its
+    /// own, so that decisions whose index writes are no-ops book under its shared lock into one
+    /// ledger ([`RouterCore::commit_shared`]); it puts them back here for every call under its
+    /// exclusive lock.
     pub(super) books: Books,
     pub(super) record_effects: bool,
     /// Replication to other router replicas (`replication.rs`), when enabled.
@@ -133,7 +170,7 @@ impl std::fmt::Debug for RouterCore {
         f.debug_struct("RouterCore")
             .field("policy_version", &self.active.version)
             .field("endpoints", &self.endpoints.len())
-            .field("inflight", &self.books.inflight.len())
+            .field("inflight", &self.books.inflight_len())
             .finish_non_exhaustive()
     }
 }
@@ -349,7 +386,7 @@ impl RouterCore {
                 inflight: e.load.inflight(),
                 index_memberships: self.index.memberships_of(s as usize),
                 precise_memberships: kv.blocks().memberships_of(s as usize),
-                events_healthy: kv.healthy(s as usize, self.books.last_now_ms),
+                events_healthy: kv.healthy(s as usize, self.books.last_now_ms()),
             })
             .collect()
     }
@@ -369,7 +406,7 @@ impl RouterCore {
     pub fn stats(&self) -> RouterStats {
         let (inflight_requests, counters) = {
             let b = &self.books;
-            (b.inflight.len(), b.counters.clone())
+            (b.inflight_len(), b.counters())
         };
         RouterStats {
             policy_version: self.active.version,
@@ -400,16 +437,17 @@ impl RouterCore {
     /// books.
     ///
     /// `hash`: the id's [`id_hash`](super::inflight::id_hash), computed before the books' lock.
+    /// `ledger`: the request's ledger ([`ledger_of`]).
     pub(super) fn complete_shared(
         &self,
-        books: &mut Books,
+        ledger: &mut Ledger,
         request_id: &str,
         hash: u64,
     ) -> Option<Result<Inflight, StateError>> {
         if self.replica.as_ref().is_some_and(|r| r.cfg.publish) {
             return None;
         }
-        Some(books.inflight.remove_hashed(hash, request_id).ok_or_else(|| unknown_request(request_id)))
+        Some(ledger.inflight.remove_hashed(hash, request_id).ok_or_else(|| unknown_request(request_id)))
     }
 
     /// Decode one KV-event payload published by `endpoint`'s engine and apply it to the precise
@@ -484,7 +522,7 @@ impl RouterCore {
     }
 
     pub(super) fn expire_inflight(&mut self, now_ms: u64, timeout_ms: u64) {
-        while let Some(f) = self.books.inflight.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
+        while let Some(f) = self.books.pop_oldest_if(|f| now_ms.saturating_sub(f.started_ms) > timeout_ms) {
             self.release(&f);
             self.books.counters.inflight_expired += 1;
         }
@@ -506,16 +544,100 @@ impl RouterCore {
     }
 }
 
-/// What decisions and completions book besides the endpoints' loads and the indexes (see
-/// `RouterCore::books`).
-pub(crate) struct Books {
-    pub(super) sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
+/// Ledgers the books keep requests in flight in (see [`Books`]).
+pub(crate) const LEDGERS: usize = 8;
+
+/// The ledger that keeps request `id` (`hash`: its [`id_hash`](super::inflight::id_hash)), a
+/// function of the id alone, so a completion finds its request wherever it was routed from:
+/// - an id `X~N` (a reused id made unique, `N` digits) is kept where `X` is, so the suffixes
+///   of a reused id are found in the ledger that holds it;
+/// - an id `kvr-N` (as generated, or given in that form): `(N - 1) mod LEDGERS`, so a
+///   generated id lands in the ledger that made it;
+/// - any other id: bits of its hash.
+pub(crate) fn ledger_of(id: &str, hash: u64) -> usize {
+    let mut base = id;
+    while let Some((b, n)) = base.rsplit_once('~') {
+        if n.is_empty() || !n.bytes().all(|d| d.is_ascii_digit()) {
+            break;
+        }
+        base = b;
+    }
+    let hash = if base.len() == id.len() { hash } else { id_hash(base) };
+    match base.strip_prefix("kvr-").and_then(|n| n.parse::<u64>().ok()).filter(|&n| n > 0) {
+        Some(n) => ((n - 1) % LEDGERS as u64) as usize,
+        // Bits the in-flight table's probing does not use (it takes the low and the top bits).
+        None => ((hash >> 32) % LEDGERS as u64) as usize,
+    }
+}
+
+/// One of the books' ledgers: requests in flight whose ids map to it ([`ledger_of`]), the ids it
+/// generates and the memory of its reused ids, the picker's draws of the decisions booked into it, their counters and the latest
+/// time they saw. A [`Router`](crate::Router) locks one ledger per booking and per completion,
+/// and a thread books its generated ids into a ledger of its own, so threads neither wait for
+/// one another there nor write the same lines.
+#[derive(Debug)]
+pub(crate) struct Ledger {
     pub(super) inflight: InflightTable,
     pub(super) ids: RequestIds,
     pub(super) counters: RouterCounters,
-    /// Picker draws made (the tie-break's randomness).
+    /// Picker draws made (the tie-break's randomness) by decisions booked here.
     pub(super) draws: u64,
-    /// The latest `now` seen (routing or events), for reporting stream health.
+    /// Ids generated here (the `k`-th is `kvr-{k·LEDGERS + index + 1}`).
+    pub(super) generated: u64,
+    /// The latest `now` of the decisions booked here.
+    pub(super) last_now_ms: u64,
+}
+
+impl Ledger {
+    pub(super) fn new(index: usize) -> Ledger {
+        Ledger {
+            inflight: InflightTable::new(),
+            ids: RequestIds::new(),
+            counters: RouterCounters::default(),
+            // Each ledger's draws start apart, so that decisions on different threads draw
+            // different tie-breaks (ledger 0, a single thread's, starts at 0 as before).
+            draws: (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            generated: 0,
+            last_now_ms: 0,
+        }
+    }
+
+    /// The id of a new decision whose caller gave it `id` (of this ledger), unique among the
+    /// requests in flight (its suffixes, if it is reused, are this ledger's too).
+    pub(super) fn caller_id(&mut self, id: &str) -> String {
+        let Ledger { ids, inflight, .. } = self;
+        ids.assign(id, |c| inflight.contains(c))
+    }
+
+    /// A new id generated by ledger `index` (this one), unique among the requests it holds.
+    pub(super) fn generate_id(&mut self, index: usize) -> String {
+        loop {
+            // Skip ids in flight (replicated from another instance, or given by a caller).
+            self.generated += 1;
+            let n = (self.generated - 1) * LEDGERS as u64 + index as u64 + 1;
+            let id = format!("kvr-{n}");
+            if !self.inflight.contains(&id) {
+                return id;
+            }
+        }
+    }
+}
+
+/// What decisions and completions book besides the endpoints' loads and the indexes (see
+/// `RouterCore::books`): the ledgers (requests in flight, ids, draws, counters), the sessions and
+/// the counters of calls outside a decision's booking.
+pub(crate) struct Books {
+    pub(super) sessions: LruCache<u64, SlotRef, Xxh3DefaultBuilder>,
+    /// `LEDGERS` ledgers (boxed: a [`Router`](crate::Router) swaps them in and out by pointer
+    /// for every call under its exclusive lock).
+    #[allow(clippy::vec_box)]
+    pub(super) ledgers: Vec<Box<Ledger>>,
+    /// The ledger this caller books its generated ids into (a `Router` sets its thread's; 0
+    /// for a `RouterCore` on its own).
+    pub(super) home: usize,
+    pub(super) counters: RouterCounters,
+    /// The latest `now` seen outside the ledgers (events, maintenance), for reporting stream
+    /// health (see [`Books::last_now_ms`]).
     pub(super) last_now_ms: u64,
 }
 
@@ -523,13 +645,113 @@ impl Books {
     pub(super) fn new(session_capacity: usize) -> Books {
         Books {
             sessions: LruCache::with_hasher(nz(session_capacity), Xxh3DefaultBuilder),
-            inflight: InflightTable::new(),
-            ids: RequestIds::new(),
+            ledgers: (0..LEDGERS).map(|i| Box::new(Ledger::new(i))).collect(),
+            home: 0,
             counters: RouterCounters::default(),
-            draws: 0,
             last_now_ms: 0,
         }
     }
+
+    /// The latest `now` seen (routing or events).
+    pub(super) fn last_now_ms(&self) -> u64 {
+        self.ledgers.iter().map(|l| l.last_now_ms).fold(self.last_now_ms, u64::max)
+    }
+
+    /// The ledger of request `id`.
+    fn ledger(&self, id: &str) -> &Ledger {
+        &self.ledgers[ledger_of(id, id_hash(id))]
+    }
+
+    pub(super) fn contains(&self, id: &str) -> bool {
+        self.ledger(id).inflight.contains(id)
+    }
+
+    /// Add (or replace) request `id` in its ledger.
+    pub(super) fn insert(&mut self, id: &str, target: SlotRef, prefill: Option<SlotRef>, started_ms: u64, tokens: u64) {
+        let hash = id_hash(id);
+        self.ledgers[ledger_of(id, hash)].inflight.insert(id, target, prefill, started_ms, tokens);
+    }
+
+    pub(super) fn remove(&mut self, id: &str) -> Option<Inflight> {
+        let hash = id_hash(id);
+        self.ledgers[ledger_of(id, hash)].inflight.remove_hashed(hash, id)
+    }
+
+    /// Requests in flight.
+    pub(super) fn inflight_len(&self) -> usize {
+        self.ledgers.iter().map(|l| l.inflight.len()).sum()
+    }
+
+    /// The ledger whose oldest request in flight is the oldest (the lowest index among those
+    /// that started in the same millisecond), and when it started.
+    fn oldest(&self) -> Option<(usize, u64)> {
+        let fronts = self.ledgers.iter().enumerate().filter_map(|(i, l)| l.inflight.oldest_started().map(|t| (i, t)));
+        fronts.min_by_key(|&(i, t)| (t, i))
+    }
+
+    /// When the oldest request in flight started (`None`: none in flight).
+    #[cfg(test)]
+    pub(crate) fn oldest_started(&self) -> Option<u64> {
+        self.oldest().map(|(_, t)| t)
+    }
+
+    /// Remove and return the oldest request in flight if `take(request)` holds.
+    pub(super) fn pop_oldest_if(&mut self, take: impl Fn(&Inflight) -> bool) -> Option<Inflight> {
+        let (i, _) = self.oldest()?;
+        self.ledgers[i].inflight.pop_oldest_if(take)
+    }
+
+    /// Remove and return every request whose id satisfies `take`.
+    pub(super) fn drain_where(&mut self, take: impl Fn(&str) -> bool) -> Vec<Inflight> {
+        self.ledgers.iter_mut().flat_map(|l| l.inflight.drain_where(&take)).collect()
+    }
+
+    /// The id of a new decision for `req` booked by this caller: the caller's (made unique when
+    /// reused while in flight) or one its home ledger generates.
+    pub(super) fn assign(&mut self, req: &RouteRequest) -> String {
+        match &req.request_id {
+            Some(id) => self.ledgers[ledger_of(id, id_hash(id))].caller_id(id),
+            None => {
+                let home = self.home;
+                self.ledgers[home].generate_id(home)
+            }
+        }
+    }
+
+    /// The counters: those kept outside the ledgers, then every ledger's.
+    pub(super) fn counters(&self) -> RouterCounters {
+        let mut c = self.counters.clone();
+        for l in &self.ledgers {
+            c.add(&l.counters);
+        }
+        c
+    }
+
+    /// The ledger a decision for `req` books into: its caller's id's, else the home ledger.
+    pub(crate) fn ledger_for(&self, req: &RouteRequest) -> usize {
+        req.request_id.as_deref().map_or(self.home, |id| ledger_of(id, id_hash(id)))
+    }
+
+    /// Ledger `index` as a booking on the shared path holds it, the other ledgers read as they
+    /// are (a `Router` reads what they last published instead), for one more request in flight.
+    #[cfg(test)]
+    pub(crate) fn hold(&mut self, index: usize) -> LedgerHold<'_> {
+        let in_flight_after = self.inflight_len() + 1;
+        let others = self.ledgers.iter().enumerate().filter(|&(i, _)| i != index);
+        let oldest_elsewhere = others.filter_map(|(_, l)| l.inflight.oldest_started()).min();
+        LedgerHold { ledger: &mut self.ledgers[index], index, oldest_elsewhere, in_flight_after }
+    }
+}
+
+/// A ledger held by a booking on the shared path (locked, under a `Router`): the ledger, its
+/// index, when the oldest request in flight in the other ledgers started (as they last
+/// published it: a moment old) and how many requests are in flight with this one (reserved
+/// beforehand, so the bound `limits.max_inflight_requests` holds across ledgers).
+pub(crate) struct LedgerHold<'a> {
+    pub(crate) ledger: &'a mut Ledger,
+    pub(crate) index: usize,
+    pub(crate) oldest_elsewhere: Option<u64>,
+    pub(crate) in_flight_after: usize,
 }
 
 /// Apply `slot`'s batch at `now_ms` to one copy of the precise index, speculation due withdrawn
@@ -547,7 +769,7 @@ fn release_request(endpoints: &EndpointTable, books: &mut Books, request_id: &st
 
 /// Take request `request_id` out of `books` (its endpoints' loads are the caller's).
 fn take_request(books: &mut Books, request_id: &str) -> Result<Inflight, StateError> {
-    books.inflight.remove(request_id).ok_or_else(|| unknown_request(request_id))
+    books.remove(request_id).ok_or_else(|| unknown_request(request_id))
 }
 
 fn unknown_request(request_id: &str) -> StateError {
@@ -580,8 +802,8 @@ pub(super) fn track(endpoints: &EndpointTable, slot: u16, now_ms: u64, tokens: u
 
 /// Keep at most `max` requests in flight, dropping the oldest.
 pub(super) fn bound_inflight(endpoints: &EndpointTable, books: &mut Books, max: usize) {
-    while books.inflight.len() > max {
-        match books.inflight.pop_oldest_if(|_| true) {
+    while books.inflight_len() > max {
+        match books.pop_oldest_if(|_| true) {
             Some(f) => {
                 release(endpoints, &f);
                 books.counters.inflight_expired += 1;

@@ -79,7 +79,7 @@ fn a_reused_request_id_costs_o1_probes_per_decision() {
     assert_eq!(ids.len() as u64, n, "every decision got its own id");
     assert!(ids.contains("same") && ids.contains("same~2") && ids.contains(format!("same~{n}").as_str()));
     // One probe per reuse (the unfixed loop probed every earlier suffix: n²/2 in all).
-    assert_eq!(r.lock().books.ids.probes, n - 1);
+    assert_eq!(r.lock().books.ledgers.iter().map(|l| l.ids.probes).sum::<u64>(), n - 1);
     // A suffix a caller supplied itself is skipped, not reused.
     r.route_http(body, [("x-request-id", format!("same~{}", n + 1).as_str())], n).unwrap();
     let d = r.route_http(body, [("x-request-id", "same")], n + 1).unwrap();
@@ -189,9 +189,9 @@ fn a_plan_from_before_an_epoch_change_is_made_again() {
 /// and nothing else needs the exclusive lock; otherwise the plan comes back unapplied.
 /// A completion as a `Router` makes it on the shared path: off the books, then off the loads.
 fn complete_shared(core: &RouterCore, books: &mut Books, request_id: &str) {
-    let Some(Ok(f)) = core.complete_shared(books, request_id, super::inflight::id_hash(request_id)) else {
-        panic!("{request_id} not in flight")
-    };
+    let hash = super::inflight::id_hash(request_id);
+    let ledger = &mut books.ledgers[super::state::ledger_of(request_id, hash)];
+    let Some(Ok(f)) = core.complete_shared(ledger, request_id, hash) else { panic!("{request_id} not in flight") };
     core.release(&f);
 }
 
@@ -213,15 +213,17 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     let index_before = core.stats().index;
     // The books kept apart, as a `Router` keeps them.
     let mut books = std::mem::replace(&mut core.books, Books::new(1));
-    let routed = books.counters.routed;
+    let routed = books.counters().routed;
 
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
-    let Ok(shared) = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s) else { panic!("not booked") };
+    let Ok(shared) = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s) else {
+        panic!("not booked")
+    };
     let shared = core.finish_shared(&active, &keys, shared, 5);
     assert_eq!(shared.endpoint(), d.endpoint());
-    assert_eq!(books.counters.routed, routed + 1);
-    assert_eq!(books.inflight.len(), 1);
+    assert_eq!(books.counters().routed, routed + 1);
+    assert_eq!(books.inflight_len(), 1);
     assert_eq!(core.stats().index, index_before, "the index is untouched");
     let load = |core: &RouterCore| {
         let slot = core.endpoints.slot_of(shared.endpoint().unwrap_or_default()).unwrap();
@@ -229,7 +231,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     };
     let booked_load = load(&core);
     complete_shared(&core, &mut books, &shared.request_id);
-    assert_eq!(books.inflight.len(), 0);
+    assert_eq!(books.inflight_len(), 0);
     let released = load(&core);
     assert!(
         matches!((booked_load, released), (Some((1, t, w)), Some((0, 0, v))) if t > 0 && v + 1 == w),
@@ -237,81 +239,120 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     );
     // Completing it again (or any id not in flight) is a typed error that changes nothing.
     assert!(matches!(
-        core.complete_shared(&mut books, &shared.request_id, super::inflight::id_hash(&shared.request_id)),
+        core.complete_shared(&mut books.ledgers[0], &shared.request_id, super::inflight::id_hash(&shared.request_id)),
         Some(Err(StateError::UnknownRequest { .. }))
     ));
-    assert_eq!((load(&core), books.inflight.len()), (released, 0));
+    assert_eq!((load(&core), books.inflight_len()), (released, 0));
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
-    assert!(core.commit_shared(&mut books, &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0), &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
     // Later in time, with nothing due: still booked under `&self`; the speculation's clock moves.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 6, &mut s);
-    let Ok(later) = core.commit_shared(&mut books, &active, &req, &keys, plan, 6, &s) else { panic!("not booked") };
+    let Ok(later) = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 6, &s) else {
+        panic!("not booked")
+    };
     let later = core.finish_shared(&active, &keys, later, 6);
-    assert_eq!((books.last_now_ms, core.kv.read().speculation_now()), (6, Some(6)));
+    assert_eq!((books.last_now_ms(), core.kv.read().speculation_now()), (6, Some(6)));
     complete_shared(&core, &mut books, &later.request_id);
     // Once a request in flight has timed out, maintenance is due: the exclusive lock.
     let timeout = active.policy.config().limits.inflight_timeout_ms;
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 7, &mut s);
-    let Ok(old) = core.commit_shared(&mut books, &active, &req, &keys, plan, 7, &s) else { panic!("not booked") };
+    let Ok(old) = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 7, &s) else {
+        panic!("not booked")
+    };
     let old = core.finish_shared(&active, &keys, old, 7);
     let late = 8 + timeout;
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, late, &mut s);
-    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, late, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, late, &s).is_err());
     complete_shared(&core, &mut books, &old.request_id);
     // An index written between the phases: the plan's no-op verdict no longer holds.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
-    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s).is_err());
     // Flow control routes under the exclusive lock.
     std::mem::swap(&mut core.books, &mut books);
     core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
     std::mem::swap(&mut core.books, &mut books);
     let active = core.policy().clone();
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
-    assert!(core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s).is_err());
 }
 
 #[test]
 fn the_books_publish_what_a_sessionless_read_phase_reads() {
-    // A request without a session plans from the values the books published at their last
-    // unlock (`BooksCell`), not under their lock: after every call they must be the books'.
+    // A decision's read phase reads the draws and the oldest start the ledgers published (see
+    // `BooksCell`), not under their locks: the draws as the books hold them, the oldest start
+    // at most the books' (lowered on the shared path, exact after every exclusive call).
     let r = router();
+    // (published, exact) oldest starts.
     let published = |r: &Router| {
-        let seen = r.books.published();
-        let books = r.books();
-        assert_eq!(seen, (books.draws(), books.oldest_started()), "published as the books hold them");
-        seen.1
+        let seen = r.books.published(0);
+        let core = r.lock();
+        assert_eq!(seen.0, core.books.draws(0), "the draws as the books hold them");
+        let exact = core.books.oldest_started();
+        assert!(seen.1.unwrap_or(u64::MAX) <= exact.unwrap_or(u64::MAX), "a lower bound: {seen:?} {exact:?}");
+        (seen.1, exact)
     };
-    assert_eq!(published(&r), None);
+    // Taking the exclusive lock (as `published` does) publishes exactly.
+    assert_eq!(published(&r), (None, None));
     let prompt = "q".repeat(256 * 40);
     let req = RouteRequest::text("m", &prompt);
     // A new prompt (its blocks written under the exclusive lock), then the same prompt again,
-    // booked on the shared path.
+    // booked on the shared path; completions on the shared path leave the bound where it was.
     let first = r.route(&req, 5).unwrap();
-    assert_eq!(published(&r), Some(5));
+    assert_eq!(r.books.published(0).1, Some(5));
     let second = r.route(&req, 6).unwrap();
-    assert_eq!(published(&r), Some(5));
+    assert_eq!(r.books.published(0).1, Some(5));
     r.complete(&first.request_id).unwrap();
-    assert_eq!(published(&r), Some(6));
+    assert_eq!(r.books.published(0).1, Some(5), "not raised on the shared path");
+    assert_eq!(published(&r), (Some(5), Some(6)));
+    assert_eq!(r.books.published(0).1, Some(6), "exact after an exclusive call");
     r.complete(&second.request_id).unwrap();
-    assert_eq!(published(&r), None);
-    // A request with a session reads the books under their lock; an exclusive call republishes.
+    assert_eq!(published(&r), (Some(6), None));
+    // A request with a session reads the books' main part under its lock.
     let mut with_session = req.clone();
     with_session.session_id = Some("s-1".into());
     let third = r.route(&with_session, 7).unwrap();
-    assert_eq!(published(&r), Some(7));
-    r.update_metrics("10.0.0.1:8000", MetricsSnapshot { updated_ms: 7, ..MetricsSnapshot::default() }).unwrap();
-    assert_eq!(published(&r), Some(7));
+    assert_eq!(r.books.published(0).1, Some(7), "lowered as the ledger's oldest request is older");
+    assert_eq!(published(&r), (Some(7), Some(7)));
     // Once the request in flight has timed out, the published start sends the next decision to
     // the exclusive lock, which expires it.
     let timeout = r.policy().policy.config().limits.inflight_timeout_ms;
     let late = r.route(&req, 8 + timeout).unwrap();
-    assert_eq!(published(&r), Some(8 + timeout));
+    assert_eq!(r.books.published(0).1, Some(8 + timeout));
     assert!(matches!(r.complete(&third.request_id), Err(StateError::UnknownRequest { .. })));
     r.complete(&late.request_id).unwrap();
-    assert_eq!(published(&r), None);
+    assert_eq!(published(&r), (Some(8 + timeout), None));
+    assert_eq!(r.books.published(0).1, None);
+}
+
+/// Where a request id is kept: generated ids in the ledger that made them, a reused id's
+/// suffixes with it, anything else by its hash; a function of the id alone.
+#[test]
+fn every_id_has_one_ledger() {
+    use super::inflight::id_hash;
+    use super::state::{ledger_of, Ledger, LEDGERS};
+    let of = |id: &str| ledger_of(id, id_hash(id));
+    for home in 0..LEDGERS {
+        let mut l = Ledger::new(home);
+        for _ in 0..3 * LEDGERS {
+            let id = l.generate_id(home);
+            assert_eq!(of(&id), home, "{id}");
+        }
+    }
+    assert_eq!(of("kvr-1"), 0);
+    assert_eq!(of(&format!("kvr-{}", LEDGERS + 2)), 1);
+    for base in ["abc", "kvr-3", "kvr-0", "kvr-x", "", "~", "a~b", "kvr-99999999999999999999999"] {
+        for n in ["~2", "~17", "~2~3"] {
+            assert_eq!(of(&format!("{base}{n}")), of(base), "{base}{n}");
+        }
+    }
+    // Ids spread over the ledgers; a long run of suffixes is walked without recursion.
+    let used: std::collections::BTreeSet<usize> = (0..256).map(|i| of(&format!("req-{i}"))).collect();
+    assert_eq!(used.len(), LEDGERS);
+    let long = format!("x{}", "~1".repeat(100_000));
+    assert_eq!(of(&long), of("x"));
 }
 
 /// The two copies of a router's precise index (`kv_cell.rs`), and a core fed the same calls.
@@ -442,7 +483,7 @@ mod precise_copies {
             let mut s = DecideScratch::default();
             let mut books = std::mem::replace(&mut core.books, Books::new(1));
             let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
-            let booking = core.commit_shared(&mut books, &active, &req, &keys, plan, 5, &s);
+            let booking = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s);
             if !two {
                 assert!(booking.is_err(), "one copy: speculation needs the exclusive lock");
                 continue;
@@ -454,7 +495,7 @@ mod precise_copies {
             let d = core.finish_shared(&active, &keys, b, 5);
             let spec = core.kv.each_copy(|kv| kv.stats().speculative_blocks);
             assert!(spec[0] > 0 && spec[0] == spec[1], "both copies speculate the prompt: {spec:?}");
-            assert_eq!(books.inflight.len(), 1, "{}", d.request_id);
+            assert_eq!(books.inflight_len(), 1, "{}", d.request_id);
         }
     }
 
