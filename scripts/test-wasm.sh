@@ -42,7 +42,10 @@ step "tests (filter units, host ABI, relay, filter in the host: golden, requests
 KVROUTE_FILTER_NO_BUILD=1 cargo test "${CRATES[@]}"
 
 step "the filter without simd128 (.cargo/config.toml enables it): build, golden fixtures through it"
-nosimd="${CARGO_TARGET_DIR:-target}/no-simd128"
+# Absolute: the test runs in its crate's directory, not here.
+target_dir="${CARGO_TARGET_DIR:-target}"
+[[ "$target_dir" = /* ]] || target_dir="$PWD/$target_dir"
+nosimd="$target_dir/no-simd128"
 RUSTFLAGS="-C target-feature=-simd128" cargo build -p kvroute-wasm --target wasm32-wasip1 --profile wasm-release \
     --target-dir "$nosimd"
 KVROUTE_FILTER_NO_BUILD=1 KVROUTE_FILTER_WASM="$nosimd/wasm32-wasip1/wasm-release/kvroute_filter.wasm" \
