@@ -491,30 +491,33 @@ fn requests_complete_on_any_thread() {
     assert!(r.endpoints().iter().all(|e| e.inflight == 0));
 }
 
-/// `limits.max_inflight_requests` holds across ledgers: a booking on the shared path reserves
-/// its place, and one that would pass the bound goes to the exclusive lock, which drops the
-/// oldest request.
+/// `limits.max_inflight_requests` holds across ledgers: a booking on the shared path takes a
+/// place its ledger reserved (in batches, or one at a time near the bound), and one that would
+/// pass the bound goes to the exclusive lock, which drops the oldest request.
 #[test]
 fn the_bound_on_requests_in_flight_holds_across_ledgers() {
-    let r = Router::from_json(r#"{"limits":{"max_inflight_requests":4}}"#).unwrap();
-    r.upsert_endpoint(EndpointSpec::new(id(0).as_str(), Role::Decode)).unwrap();
-    let req = RouteRequest::text("m", &"b".repeat(256 * 40));
-    r.route(&req, 5).unwrap();
-    std::thread::scope(|sc| {
-        for _ in 0..4 {
-            let (r, req) = (&r, &req);
-            sc.spawn(move || {
-                for i in 0..100 {
-                    r.route(req, 5).unwrap();
-                    if i % 10 == 0 {
-                        assert!(r.stats().inflight_requests <= 4);
+    for (max, per_thread) in [(4u64, 100u64), (1024, 400)] {
+        let r = Router::from_json(&format!(r#"{{"limits":{{"max_inflight_requests":{max}}}}}"#)).unwrap();
+        r.upsert_endpoint(EndpointSpec::new(id(0).as_str(), Role::Decode)).unwrap();
+        let req = RouteRequest::text("m", &"b".repeat(256 * 40));
+        r.route(&req, 5).unwrap();
+        std::thread::scope(|sc| {
+            for _ in 0..4 {
+                let (r, req) = (&r, &req);
+                sc.spawn(move || {
+                    for i in 0..per_thread {
+                        r.route(req, 5).unwrap();
+                        if i % 10 == 0 {
+                            assert!(r.stats().inflight_requests as u64 <= max);
+                        }
                     }
-                }
-            });
-        }
-    });
-    let stats = r.stats();
-    assert_eq!(stats.inflight_requests, 4);
-    assert_eq!(stats.counters.inflight_expired, 401 - 4);
-    assert_eq!(r.endpoints()[0].inflight, 4, "the dropped requests left the endpoint's load");
+                });
+            }
+        });
+        let stats = r.stats();
+        let routed = 4 * per_thread + 1;
+        assert_eq!(stats.inflight_requests as u64, max);
+        assert_eq!(stats.counters.inflight_expired, routed - max);
+        assert_eq!(u64::from(r.endpoints()[0].inflight), max, "the dropped requests left the endpoint's load");
+    }
 }

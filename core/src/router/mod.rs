@@ -143,11 +143,14 @@ struct BooksCell {
     /// bound left low only sends a decision to the exclusive lock (which expires nothing, and
     /// sets it exactly) once `limits.inflight_timeout_ms` has passed since it was set.
     oldest: CachePadded<[AtomicU64; LEDGERS]>,
-    /// Requests in flight in all ledgers, with the reservations of bookings under way: a
-    /// booking on the shared path reserves its place here first, so that
-    /// `limits.max_inflight_requests` holds across ledgers (set exactly after every exclusive
-    /// call).
-    inflight: CachePadded<AtomicUsize>,
+    /// Places for requests in flight reserved by the ledgers (`LedgerSlot::quota`), so that
+    /// `limits.max_inflight_requests` holds across ledgers: a booking on the shared path takes
+    /// a place its ledger reserved, reserving more here in batches of [`QUOTA_BATCH`] (one at
+    /// a time near the bound), and never past the bound; completions hand unused places back
+    /// a batch at a time. Every exclusive call sets each ledger's quota to the requests it
+    /// holds and this to their sum. One word every thread wrote at every booking and
+    /// completion would be the line 16–64 threads queue on.
+    reserved: CachePadded<AtomicUsize>,
     /// The latest `now` of the events applied beside decisions (0: none), for
     /// `Books::last_now_ms`: event application does not take the books' locks, and every holder
     /// of the main part takes it into account as the events would have (`last_now_ms` only
@@ -163,10 +166,20 @@ struct BooksCell {
 /// One ledger and its draws at its last unlock (read by the decisions booked into it: on the
 /// same line).
 struct LedgerCell {
-    ledger: Mutex<Box<Ledger>>,
+    slot: Mutex<LedgerSlot>,
     /// `Ledger::draws`.
     draws: AtomicU64,
 }
+
+/// A ledger and the places for requests in flight it has reserved (`BooksCell::reserved`):
+/// at least as many as it holds.
+struct LedgerSlot {
+    ledger: Box<Ledger>,
+    quota: usize,
+}
+
+/// Places a ledger reserves at a time (see `BooksCell::reserved`).
+const QUOTA_BATCH: usize = 64;
 
 std::thread_local! {
     /// The router (`BooksCell::uid`) this thread last used and its home ledger there.
@@ -183,12 +196,16 @@ impl BooksCell {
             .enumerate()
             .map(|(i, l)| {
                 let ledger = std::mem::replace(l, Box::new(Ledger::new(i)));
-                CachePadded::new(LedgerCell { draws: AtomicU64::new(ledger.draws), ledger: Mutex::new(ledger) })
+                let quota = ledger.inflight.len();
+                CachePadded::new(LedgerCell {
+                    draws: AtomicU64::new(ledger.draws),
+                    slot: Mutex::new(LedgerSlot { ledger, quota }),
+                })
             })
             .collect();
         BooksCell {
             oldest: CachePadded::new(oldest),
-            inflight: CachePadded::new(AtomicUsize::new(books.inflight_len())),
+            reserved: CachePadded::new(AtomicUsize::new(books.inflight_len())),
             main: Mutex::new(books),
             ledgers,
             events_now: CachePadded::new(AtomicU64::new(0)),
@@ -208,11 +225,7 @@ impl BooksCell {
     /// Ledger `i`, locked until the guard drops (which publishes it).
     fn lock_ledger(&self, i: usize) -> LedgerGuard<'_> {
         let cell = &self.ledgers[i];
-        LedgerGuard {
-            ledger: cell.ledger.lock().unwrap_or_else(PoisonError::into_inner),
-            cell,
-            oldest: &self.oldest[i],
-        }
+        LedgerGuard { slot: cell.slot.lock().unwrap_or_else(PoisonError::into_inner), cell, oldest: &self.oldest[i] }
     }
 
     /// The calling thread's home ledger here (the first thread to ask gets ledger 0, so one
@@ -234,6 +247,33 @@ impl BooksCell {
     /// The ledger a decision for `req` books into on this thread.
     fn ledger_for(&self, req: &RouteRequest) -> usize {
         req.request_id.as_deref().map_or_else(|| self.home(), |id| ledger_of(id, inflight::id_hash(id)))
+    }
+
+    /// Whether ledger `g` has a place for one more request in flight under `max`, reserving
+    /// more for it if it has none left (see `reserved`).
+    fn reserve(&self, g: &mut LedgerGuard<'_>, max: usize) -> bool {
+        let slot = &mut *g.slot;
+        if slot.ledger.inflight.len() < slot.quota {
+            return true;
+        }
+        // A batch, or near the bound one place.
+        for n in [QUOTA_BATCH, 1] {
+            if self.reserved.fetch_add(n, Ordering::Relaxed) + n <= max {
+                slot.quota += n;
+                return true;
+            }
+            self.reserved.fetch_sub(n, Ordering::Relaxed);
+        }
+        false
+    }
+
+    /// After a completion in ledger `g`: hand a batch of places back once two are unused.
+    fn unreserve(&self, g: &mut LedgerGuard<'_>) {
+        let slot = &mut *g.slot;
+        if slot.quota >= slot.ledger.inflight.len() + 2 * QUOTA_BATCH {
+            slot.quota -= QUOTA_BATCH;
+            self.reserved.fetch_sub(QUOTA_BATCH, Ordering::Relaxed);
+        }
     }
 
     /// Events applied at `now_ms` (see `events_now`).
@@ -264,7 +304,7 @@ fn oldest_of(ledger: &Ledger) -> u64 {
 
 /// A ledger locked; dropping it publishes it (`BooksCell`), then unlocks.
 struct LedgerGuard<'a> {
-    ledger: MutexGuard<'a, Box<Ledger>>,
+    slot: MutexGuard<'a, LedgerSlot>,
     cell: &'a LedgerCell,
     /// The ledger's slot in `BooksCell::oldest`.
     oldest: &'a AtomicU64,
@@ -273,7 +313,7 @@ struct LedgerGuard<'a> {
 impl LedgerGuard<'_> {
     /// Publish the ledger's oldest start exactly (under the exclusive lock).
     fn publish_exactly(&self) {
-        let oldest = oldest_of(&self.ledger);
+        let oldest = oldest_of(&self.slot.ledger);
         if self.oldest.load(Ordering::Relaxed) != oldest {
             self.oldest.store(oldest, Ordering::Relaxed);
         }
@@ -282,7 +322,7 @@ impl LedgerGuard<'_> {
 
 impl Drop for LedgerGuard<'_> {
     fn drop(&mut self) {
-        let l = &self.ledger;
+        let l = &self.slot.ledger;
         // Lowered only (see `BooksCell::oldest`), and the draws written only when changed.
         let oldest = oldest_of(l);
         if oldest < self.oldest.load(Ordering::Relaxed) {
@@ -314,7 +354,7 @@ impl<'a> CoreMut<'a> {
         let mut ledgers: [LedgerGuard<'a>; LEDGERS] = std::array::from_fn(|i| cell.lock_ledger(i));
         std::mem::swap(&mut core.books, &mut *main);
         for (mine, theirs) in core.books.ledgers.iter_mut().zip(&mut ledgers) {
-            std::mem::swap(mine, &mut *theirs.ledger);
+            std::mem::swap(mine, &mut theirs.slot.ledger);
         }
         core.books.home = home;
         CoreMut { main, ledgers, cell, core }
@@ -324,15 +364,18 @@ impl<'a> CoreMut<'a> {
 impl Drop for CoreMut<'_> {
     fn drop(&mut self) {
         for (mine, theirs) in self.core.books.ledgers.iter_mut().zip(&mut self.ledgers) {
-            std::mem::swap(mine, &mut *theirs.ledger);
+            std::mem::swap(mine, &mut theirs.slot.ledger);
         }
         std::mem::swap(&mut self.core.books, &mut *self.main);
-        // Nothing books on the shared path meanwhile (it holds the shared lock).
-        let inflight = self.ledgers.iter().map(|g| g.ledger.inflight.len()).sum();
-        self.cell.inflight.store(inflight, Ordering::Relaxed);
-        for g in &self.ledgers {
+        // Nothing books on the shared path meanwhile (it holds the shared lock): each ledger's
+        // quota becomes what it holds (within the bound, which the exclusive calls keep).
+        let mut reserved = 0;
+        for g in &mut self.ledgers {
+            g.slot.quota = g.slot.ledger.inflight.len();
+            reserved += g.slot.quota;
             g.publish_exactly();
         }
+        self.cell.reserved.store(reserved, Ordering::Relaxed);
     }
 }
 
@@ -504,12 +547,15 @@ impl Router {
             let core = self.read();
             // The request leaves its ledger under the ledger's lock; its endpoints' loads
             // (atomic counters, changed only after the booking that added to them) after it.
-            let taken =
-                core.complete_shared(&mut self.books.lock_ledger(ledger_of(request_id, hash)).ledger, request_id, hash);
-            if let Some(taken) = taken {
-                if taken.is_ok() {
-                    self.books.inflight.fetch_sub(1, Ordering::Relaxed);
+            let taken = {
+                let mut g = self.books.lock_ledger(ledger_of(request_id, hash));
+                let taken = core.complete_shared(&mut g.slot.ledger, request_id, hash);
+                if matches!(taken, Some(Ok(_))) {
+                    self.books.unreserve(&mut g);
                 }
+                taken
+            };
+            if let Some(taken) = taken {
                 return taken.map(|f| core.release(&f));
             }
         }
@@ -815,18 +861,11 @@ impl Router {
                     // The ledger's lock is held for the booking only; the session, the
                     // speculation and the decision come after it.
                     let booking = {
-                        let mut ledger = self.books.lock_ledger(at);
-                        let mut hold = LedgerHold {
-                            ledger: &mut ledger.ledger,
-                            index: at,
-                            oldest_elsewhere: self.books.oldest_except(at),
-                            in_flight_after: self.books.inflight.fetch_add(1, Ordering::Relaxed) + 1,
-                        };
-                        let booking = core.commit_shared(&mut hold, active, req, keys, plan, now_ms, s);
-                        if booking.is_err() {
-                            self.books.inflight.fetch_sub(1, Ordering::Relaxed);
-                        }
-                        booking
+                        let mut g = self.books.lock_ledger(at);
+                        let fits = self.books.reserve(&mut g, active.policy.config().limits.max_inflight_requests);
+                        let oldest_elsewhere = self.books.oldest_except(at);
+                        let mut hold = LedgerHold { ledger: &mut g.slot.ledger, index: at, oldest_elsewhere, fits };
+                        core.commit_shared(&mut hold, active, req, keys, plan, now_ms, s)
                     };
                     match booking {
                         Ok(b) => {

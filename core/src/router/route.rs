@@ -891,7 +891,7 @@ impl RouterCore {
     /// exclusive lock), it routes, its approximate-index writes are no-ops, no request in flight
     /// is due to expire at `now_ms` (the caller withdrew the speculation due, see
     /// [`RouterCore::expire_shared`]), the request fits under `limits.max_inflight_requests`
-    /// (counting the reservation in `hold`), and neither flow control nor replica publishing is
+    /// (`hold` has a place reserved for it), and neither flow control nor replica publishing is
     /// on.
     /// Otherwise the plan comes back for [`RouterCore::commit`] under the exclusive lock.
     // The plan goes back by value (no allocation on the way to the exclusive lock).
@@ -925,7 +925,7 @@ impl RouterCore {
             || self.replica.as_ref().is_some_and(|r| r.cfg.publish)
             || inflight_due_at(oldest, active, now_ms)
             || (!shared_kv && self.kv.read().expiry_due(now_ms))
-            || hold.in_flight_after > cfg.limits.max_inflight_requests
+            || !hold.fits
         {
             return Err(plan);
         }

@@ -733,25 +733,27 @@ impl Books {
     }
 
     /// Ledger `index` as a booking on the shared path holds it, the other ledgers read as they
-    /// are (a `Router` reads what they last published instead), for one more request in flight.
+    /// are (a `Router` reads what they last published instead), for one more request in flight
+    /// under the bound `max`.
     #[cfg(test)]
-    pub(crate) fn hold(&mut self, index: usize) -> LedgerHold<'_> {
-        let in_flight_after = self.inflight_len() + 1;
+    pub(crate) fn hold(&mut self, index: usize, max: usize) -> LedgerHold<'_> {
+        let fits = self.inflight_len() < max;
         let others = self.ledgers.iter().enumerate().filter(|&(i, _)| i != index);
         let oldest_elsewhere = others.filter_map(|(_, l)| l.inflight.oldest_started()).min();
-        LedgerHold { ledger: &mut self.ledgers[index], index, oldest_elsewhere, in_flight_after }
+        LedgerHold { ledger: &mut self.ledgers[index], index, oldest_elsewhere, fits }
     }
 }
 
 /// A ledger held by a booking on the shared path (locked, under a `Router`): the ledger, its
 /// index, when the oldest request in flight in the other ledgers started (as they last
-/// published it: a moment old) and how many requests are in flight with this one (reserved
-/// beforehand, so the bound `limits.max_inflight_requests` holds across ledgers).
+/// published it: a moment old) and whether one more request fits under
+/// `limits.max_inflight_requests` (a place reserved beforehand, so the bound holds across
+/// ledgers).
 pub(crate) struct LedgerHold<'a> {
     pub(crate) ledger: &'a mut Ledger,
     pub(crate) index: usize,
     pub(crate) oldest_elsewhere: Option<u64>,
-    pub(crate) in_flight_after: usize,
+    pub(crate) fits: bool,
 }
 
 /// Apply `slot`'s batch at `now_ms` to one copy of the precise index, speculation due withdrawn

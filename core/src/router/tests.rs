@@ -217,7 +217,7 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
 
     // Seen before on the endpoint that holds it, at the same time: booked under `&self`.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
-    let Ok(shared) = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s) else {
+    let Ok(shared) = core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, 5, &s) else {
         panic!("not booked")
     };
     let shared = core.finish_shared(&active, &keys, shared, 5);
@@ -246,10 +246,10 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
 
     // A prompt new to the index needs its blocks written: the exclusive lock.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&fresh), &active, &fresh, &fresh_keys, 5, &mut s);
-    assert!(core.commit_shared(&mut books.hold(0), &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0, 1_000_000), &active, &fresh, &fresh_keys, plan, 5, &s).is_err());
     // Later in time, with nothing due: still booked under `&self`; the speculation's clock moves.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 6, &mut s);
-    let Ok(later) = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 6, &s) else {
+    let Ok(later) = core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, 6, &s) else {
         panic!("not booked")
     };
     let later = core.finish_shared(&active, &keys, later, 6);
@@ -258,25 +258,25 @@ fn a_repeated_prompt_books_under_the_shared_lock() {
     // Once a request in flight has timed out, maintenance is due: the exclusive lock.
     let timeout = active.policy.config().limits.inflight_timeout_ms;
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 7, &mut s);
-    let Ok(old) = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 7, &s) else {
+    let Ok(old) = core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, 7, &s) else {
         panic!("not booked")
     };
     let old = core.finish_shared(&active, &keys, old, 7);
     let late = 8 + timeout;
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, late, &mut s);
-    assert!(core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, late, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, late, &s).is_err());
     complete_shared(&core, &mut books, &old.request_id);
     // An index written between the phases: the plan's no-op verdict no longer holds.
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
     core.index.write();
-    assert!(core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, 5, &s).is_err());
     // Flow control routes under the exclusive lock.
     std::mem::swap(&mut core.books, &mut books);
     core.reload_str(r#"{"flow_control":{"enabled":true}}"#).unwrap();
     std::mem::swap(&mut core.books, &mut books);
     let active = core.policy().clone();
     let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
-    assert!(core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s).is_err());
+    assert!(core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, 5, &s).is_err());
 }
 
 #[test]
@@ -483,7 +483,7 @@ mod precise_copies {
             let mut s = DecideScratch::default();
             let mut books = std::mem::replace(&mut core.books, Books::new(1));
             let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
-            let booking = core.commit_shared(&mut books.hold(0), &active, &req, &keys, plan, 5, &s);
+            let booking = core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, 5, &s);
             if !two {
                 assert!(booking.is_err(), "one copy: speculation needs the exclusive lock");
                 continue;
