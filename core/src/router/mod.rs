@@ -121,11 +121,11 @@ std::thread_local! {
     static BUFS: std::cell::Cell<ThreadBufs> = std::cell::Cell::new(ThreadBufs::default());
 }
 
-/// The router's books: the main part (sessions, the memory of reused ids, the counters of calls
-/// outside a booking, the latest time) under a mutex, and each ledger (`state::Ledger`: requests
-/// in flight, generated ids, draws, the bookings' counters) under a mutex of its own, on cache
-/// lines of its own, with what a decision's read phase reads of it (its draws, its oldest
-/// request in flight's start) published beside it at every unlock. A thread books the
+/// The router's books: the main part (sessions, the counters of calls outside a booking, the
+/// latest time) under a mutex, and each ledger (`state::Ledger`: requests in flight, ids,
+/// draws, the bookings' counters) under a mutex of its own, on cache lines of its own, with what
+/// a decision's read phase reads of it published at its unlocks (its draws beside it, its oldest
+/// request in flight's start, as a lower bound, with the other ledgers'). A thread books the
 /// decisions it generates ids for into its home ledger (one per thread, handed out in turn),
 /// and a completion finds its request's ledger from the id alone, so two threads routing and
 /// completing their own requests take no common lock and write no common line of the books
@@ -157,7 +157,7 @@ struct BooksCell {
     /// moves forward, so folding it in again changes nothing). Never reset, so an event thread
     /// writes it only when its time moves, and on a line of its own.
     events_now: CachePadded<AtomicU64>,
-    /// This cell's identity: a thread remembers its home ledger for the last router it used.
+    /// This cell's identity: a thread remembers its home ledger for the last routers it used.
     uid: u64,
     /// Home ledgers handed out so far (the next thread gets the next one).
     homes: AtomicUsize,
@@ -181,9 +181,13 @@ struct LedgerSlot {
 /// Places a ledger reserves at a time (see `BooksCell::reserved`).
 const QUOTA_BATCH: usize = 64;
 
+/// Routers a thread remembers its home ledger for.
+const HOMES_KEPT: usize = 4;
+
 std::thread_local! {
-    /// The router (`BooksCell::uid`) this thread last used and its home ledger there.
-    static HOME: std::cell::Cell<(u64, usize)> = const { std::cell::Cell::new((0, 0)) };
+    /// The routers (`BooksCell::uid`) this thread used last, the latest first, and its home
+    /// ledger in each (uid 0: none).
+    static HOME: std::cell::Cell<[(u64, usize); HOMES_KEPT]> = const { std::cell::Cell::new([(0, 0); HOMES_KEPT]) };
 }
 
 impl BooksCell {
@@ -232,14 +236,17 @@ impl BooksCell {
     /// thread alone books as a `RouterCore` does).
     fn home(&self) -> usize {
         HOME.try_with(|h| {
-            let (uid, i) = h.get();
-            if uid == self.uid {
-                i
-            } else {
-                let i = self.homes.fetch_add(1, Ordering::Relaxed) % LEDGERS;
-                h.set((self.uid, i));
-                i
+            let mut kept = h.get();
+            if kept[0].0 == self.uid {
+                return kept[0].1;
             }
+            // Another router's first, or forgotten: moved (or added) to the front.
+            let at = kept.iter().position(|&(uid, _)| uid == self.uid);
+            let home = at.map_or_else(|| self.homes.fetch_add(1, Ordering::Relaxed) % LEDGERS, |k| kept[k].1);
+            kept[..=at.unwrap_or(HOMES_KEPT - 1)].rotate_right(1);
+            kept[0] = (self.uid, home);
+            h.set(kept);
+            home
         })
         .unwrap_or(0)
     }

@@ -571,10 +571,10 @@ pub(crate) fn ledger_of(id: &str, hash: u64) -> usize {
 }
 
 /// One of the books' ledgers: requests in flight whose ids map to it ([`ledger_of`]), the ids it
-/// generates and the memory of its reused ids, the picker's draws of the decisions booked into it, their counters and the latest
-/// time they saw. A [`Router`](crate::Router) locks one ledger per booking and per completion,
-/// and a thread books its generated ids into a ledger of its own, so threads neither wait for
-/// one another there nor write the same lines.
+/// generates and the memory of its reused ids, and the picker's draws, the counters and the
+/// latest time of the decisions booked into it. A [`Router`](crate::Router) locks one ledger
+/// per booking and per completion, and a thread books its generated ids into a ledger of its
+/// own, so threads neither wait for one another there nor write the same lines.
 #[derive(Debug)]
 pub(crate) struct Ledger {
     pub(super) inflight: InflightTable,

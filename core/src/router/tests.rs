@@ -355,6 +355,36 @@ fn every_id_has_one_ledger() {
     assert_eq!(of(&long), of("x"));
 }
 
+/// A thread keeps its home ledger in each of the routers it uses in turn (so one thread using
+/// two routers books in each as a `RouterCore` would), and past the routers it remembers it gets
+/// a new one, where its requests still complete.
+#[test]
+fn a_thread_keeps_its_home_ledger_in_each_router_it_uses() {
+    use super::state::ledger_of;
+    let mut routers: Vec<Router> = (0..2).map(|_| router()).collect();
+    let req = RouteRequest::text("m", "hi");
+    let ledger = |d: &Decision| ledger_of(&d.request_id, super::inflight::id_hash(&d.request_id));
+    for _ in 0..3 {
+        for r in &routers {
+            let d = r.route(&req, 0).unwrap();
+            assert_eq!(ledger(&d), 0, "{}", d.request_id);
+            r.complete(&d.request_id).unwrap();
+        }
+    }
+    routers.extend((0..super::HOMES_KEPT - 1).map(|_| router()));
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        for r in &routers {
+            held.push((r, r.route(&req, 0).unwrap()));
+        }
+    }
+    assert!(held.iter().any(|(_, d)| ledger(d) != 0), "past the routers kept, a new home");
+    for (r, d) in held {
+        r.complete(&d.request_id).unwrap();
+    }
+    assert!(routers.iter().all(|r| r.stats().inflight_requests == 0));
+}
+
 /// The two copies of a router's precise index (`kv_cell.rs`), and a core fed the same calls.
 mod precise_copies {
     use super::*;
