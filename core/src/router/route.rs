@@ -284,19 +284,17 @@ impl Books {
 }
 
 impl Books {
+    /// Session `key`'s affinity.
+    pub(super) fn session(&self, key: u64) -> Option<SlotRef> {
+        self.sessions.peek(&key).copied()
+    }
+
     /// The session affinity of a decision booked on the shared path (the sessions are not in
     /// the ledger it held).
     pub(crate) fn keep_session(&mut self, b: &SharedBooking) {
         if let Some((k, target)) = b.session {
             self.sessions.push(k, target);
         }
-    }
-}
-
-impl Books {
-    /// Session `key`'s affinity.
-    pub(super) fn session(&self, key: u64) -> Option<SlotRef> {
-        self.sessions.peek(&key).copied()
     }
 }
 
