@@ -360,22 +360,24 @@ impl BlockStore {
     /// answer.
     #[inline(always)]
     pub(crate) fn find_after(&self, pos: usize, key: u64) -> Option<usize> {
+        self.live_next(pos, key).or_else(|| self.find_cold(key))
+    }
+
+    /// `pos + 1` when the block stored right after `pos` is `key`, live (a chain stored in one
+    /// call: no probe).
+    #[inline(always)]
+    fn live_next(&self, pos: usize, key: u64) -> Option<usize> {
         let next = pos + 1;
-        if next < self.keys.len() && self.keys[next] == key && self.heads[next] != 0 {
-            return Some(next);
-        }
-        self.find_cold(key)
+        (next < self.keys.len() && self.keys[next] == key && self.heads[next] != 0).then_some(next)
     }
 
     /// [`BlockStore::find_after`], storing `key` with `head` when it is not live (one probe for
     /// both, as [`BlockStore::find_or_insert_mixed`]): `(position, born)`.
     pub(crate) fn find_after_or_insert(&mut self, pos: Option<usize>, key: u64, head: u32) -> (Option<usize>, bool) {
-        if let Some(next) = pos.map(|p| p + 1) {
-            if next < self.keys.len() && self.keys[next] == key && self.heads[next] != 0 {
-                return (Some(next), false);
-            }
+        match pos.and_then(|p| self.live_next(p, key)) {
+            Some(next) => (Some(next), false),
+            None => self.find_or_insert_cold(key, head),
         }
-        self.find_or_insert_cold(key, head)
     }
 
     #[inline(never)]

@@ -253,7 +253,7 @@ impl BooksCell {
 
     /// The ledger a decision for `req` books into on this thread.
     fn ledger_for(&self, req: &RouteRequest) -> usize {
-        req.request_id.as_deref().map_or_else(|| self.home(), |id| ledger_of(id, inflight::id_hash(id)))
+        state::ledger_for(req, || self.home())
     }
 
     /// Whether ledger `g` has a place for one more request in flight under `max`, reserving

@@ -914,10 +914,7 @@ impl RouterCore {
             && plan.writes == (self.index.writes(), self.kv.writes());
         let cfg = active.policy.config();
         let ledger = &mut *hold.ledger;
-        let oldest = match (ledger.inflight.oldest_started(), hold.oldest_elsewhere) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let oldest = ledger.inflight.oldest_started().into_iter().chain(hold.oldest_elsewhere).min();
         if !current
             || cfg.flow_control.enabled
             || self.replica.as_ref().is_some_and(|r| r.cfg.publish)

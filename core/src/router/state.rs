@@ -570,6 +570,12 @@ pub(crate) fn ledger_of(id: &str, hash: u64) -> usize {
     }
 }
 
+/// The ledger a decision for `req` books into: its caller's id's ([`ledger_of`]), else the
+/// caller's home ledger (`home`, asked only then).
+pub(crate) fn ledger_for(req: &RouteRequest, home: impl FnOnce() -> usize) -> usize {
+    req.request_id.as_deref().map_or_else(home, |id| ledger_of(id, id_hash(id)))
+}
+
 /// One of the books' ledgers: requests in flight whose ids map to it ([`ledger_of`]), the ids it
 /// generates and the memory of its reused ids, and the picker's draws, the counters and the
 /// latest time of the decisions booked into it. A [`Router`](crate::Router) locks one ledger
@@ -729,7 +735,7 @@ impl Books {
 
     /// The ledger a decision for `req` books into: its caller's id's, else the home ledger.
     pub(crate) fn ledger_for(&self, req: &RouteRequest) -> usize {
-        req.request_id.as_deref().map_or(self.home, |id| ledger_of(id, id_hash(id)))
+        ledger_for(req, || self.home)
     }
 
     /// Ledger `index` as a booking on the shared path holds it, the other ledgers read as they
