@@ -32,10 +32,11 @@ pub(super) struct Inflight {
 /// and compacted away when the queue grows to twice the table.
 ///
 /// A ledger's (`state::Ledger`), under the ledger's lock in a `Router`, which the decisions and
-/// completions of the same ledger on other threads wait for, so it does little there: every id is hashed once, when it comes in (a completion's before
-/// the lock: [`InflightTable::remove_hashed`]), and the table and the queue keep its hash; the
-/// queue's front is always live and carries its start, so the oldest request's start (read at
-/// every unlock) looks nothing up, and the queue is trimmed only when its front leaves.
+/// completions of the same ledger on other threads wait for, so it does little there: every id
+/// is hashed once, when it comes in (a completion's before the lock:
+/// [`InflightTable::remove_hashed`]), and the table and the queue keep its hash; the queue's
+/// front is always live and carries its start, so the oldest request's start (read at every
+/// unlock) looks nothing up, and the queue is trimmed only when its front leaves.
 #[derive(Debug)]
 pub(super) struct InflightTable {
     map: HashTable<Entry>,
@@ -240,6 +241,10 @@ impl RequestIds {
     }
 }
 
+/// The session-affinity key of a request: its session id within its tenant. The tenant is the
+/// fairness id and the cache_salt (an empty salt is no salt), so another tenant reusing a session
+/// id is never steered to the first tenant's endpoint. Each part is length-prefixed, so no two
+/// different (fairness id, salt, session id) triples share an input.
 pub(super) fn session_key(req: &RouteRequest) -> Option<u64> {
     let session = req.session_id.as_deref()?;
     let salt = req.cache_salt.as_deref().filter(|s| !s.is_empty());

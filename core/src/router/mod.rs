@@ -67,9 +67,9 @@ use route::{inflight_due_at, prepare_keys, BooksView, DecideScratch, KeyBufs};
 /// ledgers, each behind a lock of its own held for a few hundred nanoseconds (a thread books
 /// the ids it generates into a ledger of its own, so threads do not share those locks or
 /// lines; a completion finds its request's ledger from the id), the sessions behind another,
-/// and the precise index's speculation goes into its two copies beside lookups (below). Otherwise (new blocks for the approximate index,
-/// a request in flight due to expire, flow control or replica publishing on) it runs under the
-/// exclusive lock. Completions likewise take the shared lock unless they are published to
+/// and the precise index's speculation goes into its two copies beside lookups (below).
+/// Otherwise (new blocks for the approximate index, a request in flight due to expire, flow
+/// control or replica publishing on) it runs under the exclusive lock. Completions likewise take the shared lock unless they are published to
 /// replicas. State another thread changed in between is read as it was when the read phase ran
 /// (as if that change had come a moment later); a change of endpoints, health or policy in
 /// between makes the write phase decide again, and an index written in between under the

@@ -17,9 +17,9 @@
 
 use std::sync::Arc;
 
-use super::inflight::{id_hash, session_key, SlotRef};
+use super::inflight::{session_key, SlotRef};
 use super::policy::ActivePolicy;
-use super::state::{bound_inflight, ledger_of, track, Books, Ledger, LedgerHold, RouterCore};
+use super::state::{bound_inflight, track, Books, Ledger, LedgerHold, RouterCore};
 use crate::admission;
 use crate::approx::RequestKeys;
 use crate::config::{IndexMode, PickerConfig};
@@ -616,6 +616,7 @@ impl RouterCore {
         if keys.tokenize_failed {
             self.books.counters.tokenize_errors += 1;
         }
+        // The request's ledger: its draw, its id and its booking.
         let at = self.books.ledger_for(req);
         let ledger = &mut self.books.ledgers[at];
         ledger.draws = ledger.draws.wrapping_add(1);
@@ -629,12 +630,12 @@ impl RouterCore {
                 return Err(RouteError::NoEndpoints { detail: "no healthy endpoint with role decode or both" });
             }
             Planned::Shed(pick, shed) => {
-                let request_id = self.books.assign(req);
+                let request_id = self.books.ledgers[at].assign(req, at);
                 return Ok(self.shed(active, request_id, f, pick, shed));
             }
             Planned::Route(pick, m) => (pick, m),
         };
-        let request_id = self.books.assign(req);
+        let request_id = self.books.ledgers[at].assign(req, at);
         if active.policy.config().flow_control.enabled {
             // Flow control owns shedding (the request went through `admit`); one request it
             // released is now routed.
@@ -645,7 +646,7 @@ impl RouterCore {
         }
         let booked = {
             let (b, endpoints) = (&mut self.books, &self.endpoints);
-            let ledger = &mut b.ledgers[ledger_of(&request_id, id_hash(&request_id))];
+            let ledger = &mut b.ledgers[at];
             let (booked, target) = book(active, endpoints, ledger, keys, &f, pick.d, &m, &request_id, now_ms, s);
             bound_inflight(endpoints, b, active.policy.config().limits.max_inflight_requests);
             if let Some(k) = f.session_key {
@@ -937,11 +938,7 @@ impl RouterCore {
         if keys.tokenize_failed {
             ledger.counters.tokenize_errors += 1;
         }
-        let request_id = match &req.request_id {
-            Some(id) => ledger.caller_id(id),
-            None => ledger.generate_id(hold.index),
-        };
-        debug_assert_eq!(ledger_of(&request_id, id_hash(&request_id)), hold.index, "booked into the id's ledger");
+        let request_id = ledger.assign(req, hold.index);
         let (booked, target) = book(active, &self.endpoints, ledger, keys, &f, pick.d, &m, &request_id, now_ms, s);
         let session = f.session_key.map(|k| (k, target));
         Ok(SharedBooking { request_id, f, pick, m, booked, speculate: !precise_quiet, session })
