@@ -14,6 +14,15 @@
 //! borrow the caller's event batch and come from any thread, and the readers are whichever
 //! threads route.
 //!
+//! A decision's speculation never waits for another writer: when one is at work (an event
+//! batch, another decision's speculation), the speculation is handed to it ([`Handoff`]) and
+//! the decision goes on; the writer applies what it was handed to both copies before it lets
+//! the copies go. A writer holding the turn in a loop (a thread applying events at full rate)
+//! would otherwise keep a decision waiting for the lock through many of its batches: the lock
+//! is not fair, and a waiter put to sleep wakes up after the writer has taken it again. One
+//! thread alone never hands anything over (no other writer is ever at work), so it writes as
+//! before.
+//!
 //! Like `router/mod.rs`, this file is allowed synchronization by `scripts/check-sans-io.sh`:
 //! it is the one synchronized part `RouterCore` holds, and only a `Router` turns it on.
 
@@ -22,6 +31,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use arc_swap::ArcSwap;
 
+use crate::approx::BlockKey;
 use crate::precise::speculation::SpecClock;
 use crate::precise::KvIndex;
 
@@ -51,6 +61,9 @@ struct Pair {
     /// The other copy, the writers' (its mutex orders them: several event threads take turns).
     /// `None` only while a writer has it in hand.
     spare: Mutex<Option<Arc<KvCopy>>>,
+    /// The writers at work and the speculation handed to them (see [`KvCell::speculate_shared`]).
+    /// Taken after `spare` or on its own, never the other way round.
+    handoff: Mutex<Handoff>,
     /// An empty index, published for a moment while a write under `&mut` holds the published
     /// copy (no lookup runs then), so that the write allocates nothing.
     placeholder: Arc<KvCopy>,
@@ -61,7 +74,55 @@ struct Pair {
     speculating: AtomicBool,
 }
 
+/// The writers' hand-off: speculation handed by decisions to the writer at work.
+#[derive(Default)]
+struct Handoff {
+    /// Writers that hold the writers' turn (`spare`) or wait for it, and will take what is
+    /// handed over before they let it go ([`Turn::finish`]). Nothing is handed over while it is
+    /// zero: `pending` is then empty.
+    writers: usize,
+    /// Speculation handed over, in the order it came.
+    pending: Vec<SpecWrite>,
+    /// Key buffers of applied hand-overs, for the next ones (at most [`SPARE_BUFFERS`]).
+    buffers: Vec<Vec<BlockKey>>,
+}
+
+/// Key buffers a [`Handoff`] keeps for reuse.
+const SPARE_BUFFERS: usize = 16;
+
+/// A decision's speculation, as [`KvIndex::speculate_from`] takes it, for every slot routed to.
+struct SpecWrite {
+    keys: Vec<BlockKey>,
+    /// `(slot, blocks of keys it already holds)`: the decode endpoint's, then the prefill one's.
+    slots: [(usize, usize); 2],
+    len: usize,
+    expires_ms: u64,
+    now_ms: u64,
+}
+
+impl SpecWrite {
+    fn apply(&self, kv: &mut KvIndex) {
+        speculate(kv, &self.keys, &self.slots[..self.len], self.expires_ms, self.now_ms);
+    }
+}
+
+/// Speculate `keys` on every slot of `slots` (`(slot, blocks it already holds)`).
+fn speculate(kv: &mut KvIndex, keys: &[BlockKey], slots: &[(usize, usize)], expires_ms: u64, now_ms: u64) {
+    for &(slot, held) in slots {
+        kv.speculate_from(keys, held, slot, expires_ms, now_ms);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl Pair {
+    /// Count a writer in (before it takes the turn: see [`Handoff::writers`]).
+    fn enter(&self) {
+        lock(&self.handoff).writers += 1;
+    }
+
     fn note_speculation(&self, s: bool) {
         if self.speculating.load(Ordering::Relaxed) != s {
             self.speculating.store(s, Ordering::Relaxed);
@@ -140,6 +201,7 @@ impl KvCell {
                 Copies::Two(Box::new(Pair {
                     published: ArcSwap::from_pointee(KvCopy(a)),
                     spare: Mutex::new(Some(Arc::new(KvCopy(b)))),
+                    handoff: Mutex::new(Handoff::default()),
                     placeholder: Arc::new(KvCopy(empty_index())),
                     clock,
                     speculating,
@@ -209,12 +271,24 @@ impl KvCell {
             Copies::Two(p) => {
                 let mut published = p.published.swap(Arc::clone(&p.placeholder));
                 let k = exclusive(&mut published);
+                // Under `&mut` every writer beside lookups has finished, and took what it was
+                // handed: nothing is pending (unless a writer panicked; its hand-overs are
+                // applied now, in their order).
+                let pending = std::mem::take(&mut p.handoff.get_mut().unwrap_or_else(PoisonError::into_inner).pending);
+                p.handoff.get_mut().unwrap_or_else(PoisonError::into_inner).writers = 0;
+                for w in &pending {
+                    w.apply(k);
+                }
                 let r = f(k);
                 let s = k.has_speculation();
                 let spare = p.spare.get_mut().unwrap_or_else(PoisonError::into_inner);
                 match spare {
                     Some(spare) => {
-                        f(exclusive(spare));
+                        let k = exclusive(spare);
+                        for w in &pending {
+                            w.apply(k);
+                        }
+                        f(k);
                     }
                     // Only while a writer holds it, which `&mut` rules out; were it lost, a
                     // twin of the published copy takes its place.
@@ -256,8 +330,45 @@ impl KvCell {
     /// send nearly every decision to the exclusive lock while events flow.
     pub(crate) fn write_shared<R>(&self, f: impl FnMut(&mut KvIndex) -> R) -> Option<R> {
         let Copies::Two(p) = &self.copies else { return None };
-        let spare = p.spare.lock().unwrap_or_else(PoisonError::into_inner);
-        write_both(p, spare, f)
+        p.enter();
+        let mut turn = Turn::new(p, lock(&p.spare));
+        let r = turn.write(f);
+        turn.finish();
+        r
+    }
+
+    /// Speculate `keys` beside lookups on every slot of `slots` (`(slot, blocks it already
+    /// holds)`), as [`KvIndex::speculate_from`] does, into both copies: now, or, when another
+    /// writer is at work, by that writer before it lets the copies go (the keys are copied for
+    /// it). A decision never waits for a writer here. Nothing with one copy (the caller holds
+    /// the exclusive lock and writes the copy itself).
+    pub(crate) fn speculate_shared(&self, keys: &[BlockKey], slots: &[(usize, usize)], expires_ms: u64, now_ms: u64) {
+        let Copies::Two(p) = &self.copies else { return };
+        {
+            let mut h = lock(&p.handoff);
+            if h.writers > 0 {
+                let mut buf = h.buffers.pop().unwrap_or_default();
+                buf.clear();
+                buf.extend_from_slice(keys);
+                let mut w = SpecWrite { keys: buf, slots: [(0, 0); 2], len: slots.len().min(2), expires_ms, now_ms };
+                w.slots[..w.len].copy_from_slice(&slots[..w.len]);
+                h.pending.push(w);
+                return;
+            }
+            h.writers += 1;
+        }
+        let mut turn = Turn::new(p, lock(&p.spare));
+        turn.write(|kv| speculate(kv, keys, slots, expires_ms, now_ms));
+        turn.finish();
+    }
+
+    /// Speculation handed over and not yet applied (tests).
+    #[cfg(test)]
+    pub(crate) fn pending_speculation(&self) -> usize {
+        match &self.copies {
+            Copies::One(_) => 0,
+            Copies::Two(p) => lock(&p.handoff).pending.len(),
+        }
     }
 
     /// [`KvCell::write_shared`] if no other writer is at it now (`None` otherwise, or with one
@@ -269,28 +380,94 @@ impl KvCell {
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
-        write_both(p, spare, f)
+        p.enter();
+        let mut turn = Turn::new(p, spare);
+        let r = turn.write(f);
+        turn.finish();
+        r
     }
 }
 
-/// The write of [`KvCell::write_shared`], the writers' turn (`spare`) taken.
-fn write_both<R>(
-    p: &Pair,
-    mut spare: std::sync::MutexGuard<'_, Option<Arc<KvCopy>>>,
-    mut f: impl FnMut(&mut KvIndex) -> R,
-) -> Option<R> {
-    let mut next = spare.take()?;
-    let r = f(exclusive(&mut next));
-    let mut old = p.published.swap(next);
-    let k = exclusive(&mut old);
-    f(k);
-    p.note_speculation(k.has_speculation());
-    *spare = Some(old);
-    Some(r)
+/// The writers' turn, held: counted in [`Handoff::writers`] and holding `spare`. It lets the
+/// copies go only once it has applied everything handed over ([`Turn::finish`]; dropped
+/// without it, in a panic, it only counts itself out).
+struct Turn<'a> {
+    p: &'a Pair,
+    spare: std::sync::MutexGuard<'a, Option<Arc<KvCopy>>>,
+    counted: bool,
+}
+
+impl<'a> Turn<'a> {
+    fn new(p: &'a Pair, spare: std::sync::MutexGuard<'a, Option<Arc<KvCopy>>>) -> Self {
+        Turn { p, spare, counted: true }
+    }
+
+    /// Write `f` into the spare copy, publish it, and write `f` into the other once the lookups
+    /// reading it have left. `None` if the spare copy was lost (a writer panicked: the next
+    /// write under `&mut` makes it again).
+    fn write<R>(&mut self, mut f: impl FnMut(&mut KvIndex) -> R) -> Option<R> {
+        let mut next = self.spare.take()?;
+        let r = f(exclusive(&mut next));
+        let mut old = self.p.published.swap(next);
+        let k = exclusive(&mut old);
+        f(k);
+        self.p.note_speculation(k.has_speculation());
+        *self.spare = Some(old);
+        Some(r)
+    }
+
+    /// Apply what was handed over, until nothing is, then count this writer out and let the
+    /// turn go.
+    fn finish(mut self) {
+        let mut done: Vec<SpecWrite> = Vec::new();
+        loop {
+            let mut batch = {
+                let mut h = lock(&self.p.handoff);
+                for w in done.drain(..) {
+                    if h.buffers.len() < SPARE_BUFFERS {
+                        h.buffers.push(w.keys);
+                    }
+                }
+                if h.pending.is_empty() {
+                    h.writers -= 1;
+                    self.counted = false;
+                    return;
+                }
+                std::mem::take(&mut h.pending)
+            };
+            self.write(|kv| {
+                for w in &batch {
+                    w.apply(kv);
+                }
+            });
+            done.append(&mut batch);
+        }
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if self.counted {
+            // Unwinding: count out; what was handed over stays for the next writer.
+            let mut h = lock(&self.p.handoff);
+            h.writers = h.writers.saturating_sub(1);
+        }
+    }
 }
 
 #[cfg(test)]
 impl KvCell {
+    /// Run `f` while a writer beside lookups holds the writers' turn, then let that writer
+    /// finish as it does (applying what was handed to it). With one copy, just `f`.
+    pub(crate) fn with_writer_at_work<R>(&self, f: impl FnOnce() -> R) -> R {
+        let Copies::Two(p) = &self.copies else { return f() };
+        p.enter();
+        let turn = Turn::new(p, lock(&p.spare));
+        let r = f();
+        turn.finish();
+        r
+    }
+
     /// `f` of every copy (tests: the copies must agree).
     pub(crate) fn each_copy<T>(&self, mut f: impl FnMut(&KvIndex) -> T) -> Vec<T> {
         match &self.copies {

@@ -80,7 +80,9 @@ use route::{inflight_due_at, prepare_keys, BooksView, DecideScratch, KeyBufs};
 /// decisions' speculation and the withdrawal of speculation come due write the other one,
 /// publish it, and write the same into the first once the lookups reading it have left. So
 /// events, applied under the shared lock, never hold up a lookup, and a lookup never waits for
-/// a writer. Events are decoded outside the lock.
+/// a writer: a decision's speculation while another writer is at work (an event batch) is
+/// handed to that writer, which writes it into both copies before it lets them go. Events are
+/// decoded outside the lock.
 pub struct Router {
     policy: ArcSwap<ActivePolicy>,
     core: ShardedLock<RouterCore>,

@@ -532,7 +532,10 @@ impl RouterCore {
     }
 
     /// Write the speculation of a decision [`RouterCore::commit_shared`] booked beside lookups
-    /// (see [`SharedBooking::speculate`]), as [`RouterCore::commit`] would have written it.
+    /// (see [`SharedBooking::speculate`]), as [`RouterCore::commit`] would have written it: now,
+    /// or by the writer at work on the index at this moment, before it lets the copies go
+    /// ([`KvCell::speculate_shared`](super::kv_cell::KvCell::speculate_shared)); the decision
+    /// does not wait for it.
     pub(crate) fn speculate_shared(
         &self,
         active: &ActivePolicy,
@@ -542,12 +545,13 @@ impl RouterCore {
         now_ms: u64,
     ) {
         let w = IndexWrites::new(active, b.pick.d, b.m.prefill, s, now_ms);
-        self.kv.write_shared(|kv| {
-            for slot in w.slots() {
-                let held = precise_held(keys, s, slot) as usize;
-                kv.speculate_from(&keys.precise.keys, held, slot as usize, w.expires_ms, w.now_ms);
-            }
-        });
+        let mut slots = [(0, 0); 2];
+        let mut n = 0;
+        for (at, slot) in slots.iter_mut().zip(w.slots()) {
+            *at = (slot as usize, precise_held(keys, s, slot) as usize);
+            n += 1;
+        }
+        self.kv.speculate_shared(&keys.precise.keys, &slots[..n], w.expires_ms, w.now_ms);
     }
 
     /// The state's epoch: bumped by every change after which a [`Plan`] made before cannot be

@@ -529,6 +529,45 @@ mod precise_copies {
         }
     }
 
+    /// A decision's speculation while another writer holds the copies (an event batch being
+    /// applied) is handed to that writer, which writes it into both copies before it lets them
+    /// go: the decision does not wait, and nothing is lost.
+    #[test]
+    fn speculation_beside_a_writer_at_work_is_handed_to_it() {
+        use super::super::state::Books;
+        let req = request(5, 1);
+        let mut core = RouterCore::from_json(POLICY).unwrap();
+        for e in 0..ENDPOINTS {
+            core.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+        }
+        core.kv = core.kv.into_shared(true);
+        let active = core.policy().clone();
+        let keys = keys_of(&active, &req, 5);
+        let mut s = DecideScratch::default();
+        let mut books = std::mem::replace(&mut core.books, Books::new(1));
+        let plan = core.plan(Some(&*core.kv.read()), books.view(&req), &active, &req, &keys, 5, &mut s);
+        let Ok(b) = core.commit_shared(&mut books.hold(0, 1_000_000), &active, &req, &keys, plan, 5, &s) else {
+            panic!("not booked beside lookups")
+        };
+        assert!(b.speculate, "the prompt's blocks are new");
+        core.kv.with_writer_at_work(|| {
+            core.speculate_shared(&active, &keys, &b, &s, 5);
+            assert_eq!(core.kv.pending_speculation(), 1, "handed to the writer at work");
+            assert_eq!(core.kv.read().stats().speculative_blocks, 0, "not written yet");
+        });
+        assert_eq!(core.kv.pending_speculation(), 0);
+        let spec = core.kv.each_copy(|kv| kv.stats().speculative_blocks);
+        assert!(spec[0] > 0 && spec[0] == spec[1], "the writer wrote it into both copies: {spec:?}");
+        // The same decision's speculation written directly, for the figure.
+        let mut direct = RouterCore::from_json(POLICY).unwrap();
+        for e in 0..ENDPOINTS {
+            direct.upsert_endpoint(EndpointSpec::new(id(e).as_str(), Role::Decode)).unwrap();
+        }
+        direct.kv = direct.kv.into_shared(true);
+        direct.speculate_shared(&active, &keys, &b, &s, 5);
+        assert_eq!(direct.kv.each_copy(|kv| kv.stats().speculative_blocks), spec);
+    }
+
     /// One thread: a router (events beside decisions, on two copies) and a core (one copy)
     /// given the same calls decide alike, and the router's copies agree.
     #[test]
