@@ -340,18 +340,24 @@ impl KvCell {
     /// Speculate `keys` beside lookups on every slot of `slots` (`(slot, blocks it already
     /// holds)`), as [`KvIndex::speculate_from`] does, into both copies: now, or, when another
     /// writer is at work, by that writer before it lets the copies go (the keys are copied for
-    /// it). A decision never waits for a writer here. Nothing with one copy (the caller holds
-    /// the exclusive lock and writes the copy itself).
+    /// it, from the first block a slot does not hold). A decision does not queue behind another
+    /// writer's write here. Nothing with one copy (the caller holds the exclusive lock and
+    /// writes the copy itself). `slots` has at most two entries (decode, then prefill).
     pub(crate) fn speculate_shared(&self, keys: &[BlockKey], slots: &[(usize, usize)], expires_ms: u64, now_ms: u64) {
         let Copies::Two(p) = &self.copies else { return };
+        debug_assert!(slots.len() <= 2, "a decision speculates on its decode and prefill endpoints");
         {
             let mut h = lock(&p.handoff);
             if h.writers > 0 {
+                // Only the keys from the first one a slot does not hold travel.
+                let from = slots.iter().map(|&(_, held)| held).min().unwrap_or(0).min(keys.len());
                 let mut buf = h.buffers.pop().unwrap_or_default();
                 buf.clear();
-                buf.extend_from_slice(keys);
+                buf.extend_from_slice(&keys[from..]);
                 let mut w = SpecWrite { keys: buf, slots: [(0, 0); 2], len: slots.len().min(2), expires_ms, now_ms };
-                w.slots[..w.len].copy_from_slice(&slots[..w.len]);
+                for (to, &(slot, held)) in w.slots.iter_mut().zip(slots) {
+                    *to = (slot, held - from);
+                }
                 h.pending.push(w);
                 return;
             }
