@@ -274,8 +274,9 @@ impl KvCell {
                 // Under `&mut` every writer beside lookups has finished, and took what it was
                 // handed: nothing is pending (unless a writer panicked; its hand-overs are
                 // applied now, in their order).
-                let pending = std::mem::take(&mut p.handoff.get_mut().unwrap_or_else(PoisonError::into_inner).pending);
-                p.handoff.get_mut().unwrap_or_else(PoisonError::into_inner).writers = 0;
+                let handoff = p.handoff.get_mut().unwrap_or_else(PoisonError::into_inner);
+                handoff.writers = 0;
+                let pending = std::mem::take(&mut handoff.pending);
                 for w in &pending {
                     w.apply(k);
                 }
