@@ -69,11 +69,12 @@ use route::{inflight_due_at, prepare_keys, BooksView, DecideScratch, KeyBufs};
 /// lines; a completion finds its request's ledger from the id), the sessions behind another,
 /// and the precise index's speculation goes into its two copies beside lookups (below).
 /// Otherwise (new blocks for the approximate index, a request in flight due to expire, flow
-/// control or replica publishing on) it runs under the exclusive lock. Completions likewise take the shared lock unless they are published to
-/// replicas. State another thread changed in between is read as it was when the read phase ran
-/// (as if that change had come a moment later); a change of endpoints, health or policy in
-/// between makes the write phase decide again, and an index written in between under the
-/// exclusive lock makes it write. One thread alone decides exactly as [`RouterCore`] does.
+/// control or replica publishing on) it runs under the exclusive lock. Completions likewise
+/// take the shared lock unless they are published to replicas. State another thread changed in
+/// between is read as it was when the read phase ran (as if that change had come a moment
+/// later); a change of endpoints, health or policy in between makes the write phase decide
+/// again, and an index written in between under the exclusive lock makes it write. One thread
+/// alone decides exactly as [`RouterCore`] does.
 ///
 /// The precise index is kept in two copies (`kv_cell.rs`): lookups read the published one,
 /// while event application ([`Router::apply_batch`], [`Router::apply_events`]), the

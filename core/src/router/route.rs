@@ -545,12 +545,10 @@ impl RouterCore {
         now_ms: u64,
     ) {
         let w = IndexWrites::new(active, b.pick.d, b.m.prefill, s, now_ms);
-        let mut slots = [(0, 0); 2];
-        let mut n = 0;
-        for (at, slot) in slots.iter_mut().zip(w.slots()) {
-            *at = (slot as usize, precise_held(keys, s, slot) as usize);
-            n += 1;
-        }
+        // The decode slot, then the prefill one if any: (slot, blocks it holds).
+        let slot = |x: u16| (x as usize, precise_held(keys, s, x) as usize);
+        let slots = [slot(w.d_slot), w.p_slot.map_or((0, 0), slot)];
+        let n = 1 + usize::from(w.p_slot.is_some());
         self.kv.speculate_shared(&keys.precise.keys, &slots[..n], w.expires_ms, w.now_ms);
     }
 
