@@ -276,9 +276,12 @@ fn print_scaling(what: &str, scaling: &[(usize, f64, f64)]) {
     if let Some((_, two, two_own)) = scaling.iter().find(|s| s.0 == 2) {
         let x = two / one;
         println!(
-            "- {what}, 2 threads vs 1 on one shared router: {x:.2}x (goal ≥ 1.7x: {}); ceiling here {:.2}x",
+            "- {what}, 2 threads vs 1 on one shared router: {x:.2}x (goal ≥ 1.7x: {}); ceiling here {:.2}x; \
+             the shared router's 2 threads do {:.0}% of what 2 routers do (the cost of sharing, apart from the \
+             machine)",
             if x >= 1.7 { "met" } else { "NOT met" },
-            two_own / one_own
+            two_own / one_own,
+            100.0 * two / two_own
         );
     }
 }
