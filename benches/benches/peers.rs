@@ -637,21 +637,9 @@ fn chain_build(inp: &Inputs, stored: &[Vec<StoredBlock>]) -> Chain {
 /// each pair's ratio (ChainIndex's time over the store's: > 1 is the store faster), sorted.
 fn paired_apply(inp: &Inputs, pairs: usize) -> Vec<f64> {
     let stored = chain_stored(&inp.wl);
-    // Each build timed like `time_apply`: the index is dropped after the clock stops.
-    let ours = || {
-        let t = cpu_time();
-        let ix = precise_build(&inp.wl);
-        let s = cpu_time().saturating_sub(t).as_secs_f64();
-        drop(black_box(ix));
-        s
-    };
-    let theirs = || {
-        let t = cpu_time();
-        let ix = chain_build(inp, &stored);
-        let s = cpu_time().saturating_sub(t).as_secs_f64();
-        drop(black_box(ix));
-        s
-    };
+    // One build each, timed by `time_apply` (the index dropped after the clock stops).
+    let ours = || time_apply(1, || (), |()| precise_build(&inp.wl));
+    let theirs = || time_apply(1, || (), |()| chain_build(inp, &stored));
     let mut ratios: Vec<f64> = (0..pairs)
         .map(|k| {
             let (a, b) = if k % 2 == 0 {

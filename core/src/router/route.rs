@@ -545,10 +545,12 @@ impl RouterCore {
         now_ms: u64,
     ) {
         let w = IndexWrites::new(active, b.pick.d, b.m.prefill, s, now_ms);
-        // The decode slot, then the prefill one if any: (slot, blocks it holds).
-        let slot = |x: u16| (x as usize, precise_held(keys, s, x) as usize);
-        let slots = [slot(w.d_slot), w.p_slot.map_or((0, 0), slot)];
-        let n = 1 + usize::from(w.p_slot.is_some());
+        // (slot, blocks it holds) of the decode slot, then the prefill one if any.
+        let (mut slots, mut n) = ([(0, 0); 2], 0);
+        for (to, slot) in slots.iter_mut().zip(w.slots()) {
+            *to = (slot as usize, precise_held(keys, s, slot) as usize);
+            n += 1;
+        }
         self.kv.speculate_shared(&keys.precise.keys, &slots[..n], w.expires_ms, w.now_ms);
     }
 
