@@ -25,7 +25,10 @@
 //!   (inputs prepared beforehand), median of `KVROUTE_PEERS_RUNS` (default 3) fresh builds;
 //!   and, for the goal, kvroute's precise store against ChainIndex in alternating builds
 //!   ([`paired_apply`], 8 pairs): the subjects' builds above run one subject after another, so
-//!   a machine whose speed moves during the run moves their ratio; alternating builds share it;
+//!   a machine whose speed moves during the run moves their ratio; alternating builds share it.
+//!   Beside it, the same pairs with the store's room for its final block count reserved before
+//!   the build ([`PrefixIndex::reserve`]): no table rebuild, so what the store's apply would be
+//!   if growth cost nothing (the count is known only after a build: not the goal's figure);
 //! - **find-matches**: µs per lookup of a 128-block request sharing a prefix (64 different
 //!   probes, cycled), timed by criterion in the calling thread's CPU time ([`thread_cpu_time`]);
 //!   the table shows the median of criterion's samples;
@@ -194,6 +197,18 @@ fn time_apply<P, I>(runs: usize, mut prepare: impl FnMut() -> P, mut apply: impl
 }
 
 const SAMPLES: usize = 30;
+
+/// The alternating pairs of a run ([`paired_apply`]).
+struct Paired {
+    /// The store as it is (growing from empty) against ChainIndex: the goal's figure.
+    grown: Vec<f64>,
+    /// The store with room for its final block count reserved before the build (no table
+    /// rebuild) against ChainIndex: what the build would be if growth cost nothing.
+    reserved: Vec<f64>,
+    /// That final block count, and the reserved build's bytes per membership.
+    blocks: usize,
+    reserved_bytes_per_membership: f64,
+}
 /// Alternating build pairs of the store and ChainIndex ([`paired_apply`]).
 const PAIRS: usize = 8;
 
@@ -327,7 +342,14 @@ fn check_exact_after(name: &str, inp: &Inputs, overlap: impl Fn(usize) -> Vec<u3
 
 /// kvroute's precise store holding every membership of `wl`'s events.
 fn precise_build(wl: &PeerWorkload) -> PrefixIndex {
+    precise_build_reserved(wl, 0)
+}
+
+/// [`precise_build`] with room for `blocks` blocks reserved first ([`PrefixIndex::reserve`]; 0:
+/// none).
+fn precise_build_reserved(wl: &PeerWorkload, blocks: usize) -> PrefixIndex {
     let mut ix: PrefixIndex = PrefixIndex::new(0, wl.shape.capacity_per_endpoint);
+    ix.reserve(blocks);
     for e in 0..wl.shape.endpoints {
         ix.activate(e);
     }
@@ -632,13 +654,14 @@ fn chain_build(inp: &Inputs, stored: &[Vec<StoredBlock>]) -> Chain {
     Chain { ix, ids, maps }
 }
 
-/// Apply of kvroute's precise store against ChainIndex's, their builds alternating (`pairs`
-/// pairs, which one goes first alternating too), so that the machine's moves hit both alike:
-/// each pair's ratio (ChainIndex's time over the store's: > 1 is the store faster), sorted.
-fn paired_apply(inp: &Inputs, pairs: usize) -> Vec<f64> {
+/// Apply of kvroute's precise store (with `reserve` blocks reserved first: 0, none) against
+/// ChainIndex's, their builds alternating (`pairs` pairs, which one goes first alternating too),
+/// so that the machine's moves hit both alike: each pair's ratio (ChainIndex's time over the
+/// store's: > 1 is the store faster), sorted.
+fn paired_apply(inp: &Inputs, pairs: usize, reserve: usize) -> Vec<f64> {
     let stored = chain_stored(&inp.wl);
     // One build each, timed by `time_apply` (the index dropped after the clock stops).
-    let ours = || time_apply(1, || (), |()| precise_build(&inp.wl));
+    let ours = || time_apply(1, || (), |()| precise_build_reserved(&inp.wl, reserve));
     let theirs = || time_apply(1, || (), |()| chain_build(inp, &stored));
     let mut ratios: Vec<f64> = (0..pairs)
         .map(|k| {
@@ -793,7 +816,7 @@ fn best(peers: &[&Row]) -> (f64, f64, f64) {
     )
 }
 
-fn report(w: usize, wl: &PeerWorkload, rows: &[Row], paired: &[f64]) {
+fn report(w: usize, wl: &PeerWorkload, rows: &[Row], paired: &Paired) {
     let memberships = wl.memberships();
     let peers: Vec<&Row> = rows.iter().filter(|r| r.peer).collect();
     let all = best(&peers);
@@ -855,7 +878,8 @@ fn report(w: usize, wl: &PeerWorkload, rows: &[Row], paired: &[f64]) {
 }
 
 /// The issue's goals for the precise store, each against the best exact peer of this run.
-fn goals(w: usize, memberships: u64, k: &Row, peers: &[&Row], paired: &[f64]) {
+fn goals(w: usize, memberships: u64, k: &Row, peers: &[&Row], pairs: &Paired) {
+    let paired = &pairs.grown;
     let exact: Vec<&Row> = peers.iter().copied().filter(|r| r.exact).collect();
     println!();
     println!("goals (kvroute precise store, W={w}, against the best exact peer of this run):");
@@ -881,6 +905,17 @@ fn goals(w: usize, memberships: u64, k: &Row, peers: &[&Row], paired: &[f64]) {
                  alike): median {mid:.2}x, pairs {lo:.2}–{hi:.2}x ({})",
                 paired.len(),
                 if paired_decides { verdict(mid >= 1.5) } else { "not the best exact peer here" }
+            );
+        }
+        if let (Some(lo), Some(hi)) = (pairs.reserved.first(), pairs.reserved.last()) {
+            println!(
+                "  growth's cost, measured (not the goal's figure: the size is known only after the build): the store \
+                 with room for its final {} blocks reserved before the build (`PrefixIndex::reserve`: no table \
+                 rebuild), against ChainIndex alternating: median {:.2}x, pairs {lo:.2}–{hi:.2}x, at {:.1} B per \
+                 membership (its own count)",
+                pairs.blocks,
+                median(pairs.reserved.clone()),
+                pairs.reserved_bytes_per_membership
             );
         }
     }
@@ -971,7 +1006,18 @@ fn main() {
             kv_index_token_tree(&mut c, &inp, runs, &group, 1),
             kv_index_token_tree(&mut c, &inp, runs, &group, 16),
         ];
-        let paired = paired_apply(&inp, PAIRS);
+        let blocks = usize::try_from(precise_build(&inp.wl).stats().keys).unwrap_or(usize::MAX);
+        let reserved_stats = {
+            let ix = precise_build_reserved(&inp.wl, blocks);
+            assert_eq!(overlaps(&ix, &inp.probe_keys), inp.reference, "a reserved store answers alike");
+            ix.stats()
+        };
+        let paired = Paired {
+            grown: paired_apply(&inp, PAIRS, 0),
+            reserved: paired_apply(&inp, PAIRS, blocks),
+            blocks,
+            reserved_bytes_per_membership: reserved_stats.memory_bytes as f64 / inp.wl.memberships() as f64,
+        };
         report(w, &inp.wl, &rows, &paired);
         reports.push((w, inp.wl, rows, paired));
     }

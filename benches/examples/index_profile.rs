@@ -16,7 +16,8 @@
 //! one build, then lookups; `worst`: one build, printing its highest bytes per membership from a
 //! tenth of the build on; `churn`: one build, then fresh chains at capacity, the steady state of
 //! eviction, deletion and compaction, timing its second half; `peer-churn`: the peers bench's
-//! churn, conversations removed and stored after a build; default apply and find), `RUNS` builds (default 5; `find`: 1), `ITERS`
+//! churn, conversations removed and stored after a build; `pause`: the longest store call of a
+//! build growing from empty and of one with its final size reserved; default apply and find), `RUNS` builds (default 5; `find`: 1), `ITERS`
 //! lookups (default 2,000,000), `STATS` (with `find`: first prints each probe's matching
 //! endpoints and their distinct match lengths).
 #![allow(clippy::print_stdout)]
@@ -82,6 +83,39 @@ fn main() {
             }
         }
         println!("W={w} worst {worst:.2} B/membership at {at} of {} memberships", wl.memberships());
+        return;
+    }
+    if part == "pause" {
+        // The store's pauses: one build timing each store call (thread CPU time), once growing
+        // from empty and once with room for the final block count reserved first
+        // (`PrefixIndex::reserve`); prints the longest call and the 99.9th percentile.
+        let blocks = usize::try_from(build().stats().keys).unwrap_or(usize::MAX);
+        for reserve in [0, blocks] {
+            let mut ix = PrefixIndex::new(0, shape.capacity_per_endpoint);
+            ix.reserve(reserve);
+            for e in 0..w {
+                ix.activate(e);
+            }
+            let mut calls: Vec<Duration> = wl
+                .events
+                .iter()
+                .map(|ev| {
+                    let (e, _, _, keys) = wl.event(ev);
+                    let t = thread_cpu_time();
+                    ix.store(keys, e, Medium::Gpu);
+                    thread_cpu_time().saturating_sub(t)
+                })
+                .collect();
+            calls.sort();
+            let q = |f: f64| calls[((calls.len() - 1) as f64 * f) as usize].as_secs_f64() * 1e6;
+            println!(
+                "W={w} reserved {reserve} blocks: {} store calls, longest {:.0} µs, p99.9 {:.1} µs, median {:.2} µs",
+                calls.len(),
+                q(1.0),
+                q(0.999),
+                q(0.5)
+            );
+        }
         return;
     }
     if part == "peer-churn" {

@@ -603,6 +603,20 @@ impl PrefixIndex {
         self.spec_total = 0;
     }
 
+    /// Keep room for `blocks` distinct blocks from now on, so that an index growing to that
+    /// size never rebuilds its table. A growing index rebuilds it at every 1.5x step, moving
+    /// every block: the store pauses for each one, and the rebuilds are most of the time of
+    /// storing a large index from empty. An embedder that knows the size its index will reach
+    /// (the fleet's cache sizes, in blocks) can pay for that memory once instead.
+    ///
+    /// The memory is held from now on and counted in [`PrefixIndex::stats`] (about 16.6 bytes
+    /// per reserved block: its key, its head and its table bucket at load 7/8). The index never
+    /// shrinks below the reservation, through deletions or [`PrefixIndex::reset`]; a later call
+    /// replaces it (0: none). At most the arena's limit (2^27 blocks).
+    pub fn reserve(&mut self, blocks: usize) {
+        self.store.reserve(blocks);
+    }
+
     /// Change the per-endpoint capacity; endpoints over it lose their oldest generations now.
     pub fn set_capacity(&mut self, cap: u32) {
         self.cap = cap.max(1);

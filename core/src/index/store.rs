@@ -189,6 +189,9 @@ pub(crate) struct BlockStore {
     free: [u32; CLASSES],
     /// Scratch for building a changed posting.
     build: Vec<u32>,
+    /// Blocks the store keeps room for however few it holds ([`BlockStore::reserve`]): the
+    /// table and the arena do not shrink below it.
+    floor: usize,
 }
 
 impl BlockStore {
@@ -205,6 +208,7 @@ impl BlockStore {
             chunks: vec![0, 1, 0, 0],
             free: [NONE; CLASSES],
             build: Vec::new(),
+            floor: 0,
         }
     }
 
@@ -228,6 +232,7 @@ impl BlockStore {
             chunks: copy(&self.chunks),
             free: self.free,
             build: copy(&self.build),
+            floor: self.floor,
         }
     }
 
@@ -745,6 +750,36 @@ impl BlockStore {
         self.pos_bits = new;
     }
 
+    /// Room for `blocks` blocks in all, kept from now on: the arena gets room for that many
+    /// positions and the table as many buckets as that many blocks need at its load limit (a
+    /// rebuild now, if it has fewer), and neither shrinks below it later. Storing up to `blocks`
+    /// blocks then never rebuilds the table, which a growing store does at every 1.5x step
+    /// (moving every block: a pause of the store, and most of a build's time). At most
+    /// [`MAX_POSITIONS`]; a smaller reservation than the store's size changes nothing now and
+    /// lowers the floor.
+    pub(crate) fn reserve(&mut self, blocks: usize) {
+        let blocks = blocks.min(MAX_POSITIONS);
+        self.floor = blocks;
+        if blocks == 0 {
+            return;
+        }
+        self.keys.reserve_exact(blocks.saturating_sub(self.keys.len()));
+        self.heads.reserve_exact(blocks.saturating_sub(self.heads.len()));
+        // Positions up to `blocks - 1` without widening (see `table_changes`).
+        while blocks + 2 > 1 << self.pos_bits && self.pos_bits < MAX_POS_BITS {
+            self.widen();
+        }
+        let n = self.floor_buckets();
+        if n > self.buckets.len() {
+            self.rebuild(n);
+        }
+    }
+
+    /// Buckets the table keeps at least: room for the reserved blocks at load 7/8.
+    fn floor_buckets(&self) -> usize {
+        (self.floor * 8).div_ceil(7).next_multiple_of(GROUP)
+    }
+
     /// Rebuild the table with `n` buckets from the arena.
     fn rebuild(&mut self, n: usize) {
         self.buckets = Vec::new();
@@ -831,15 +866,15 @@ impl BlockStore {
         }
         self.keys.truncate(w);
         self.heads.truncate(w);
-        if self.keys.capacity() > w + w / 8 + 64 {
-            self.keys.shrink_to(w + w / 16);
-            self.heads.shrink_to(w + w / 16);
+        if self.keys.capacity() > (w + w / 8 + 64).max(self.floor) {
+            self.keys.shrink_to((w + w / 16).max(self.floor));
+            self.heads.shrink_to((w + w / 16).max(self.floor));
         }
         // Room for the positions added until the next compaction (an eighth of the arena free
         // again) at load 7/8: positions up to 8/7 of the live blocks.
         let fits = (self.len * 4 / 3 + 1).max(self.len + 64);
-        if self.buckets.len() > (fits + fits / 4).max(MIN_BUCKETS) {
-            self.rebuild(fits);
+        if self.buckets.len() > (fits + fits / 4).max(MIN_BUCKETS).max(self.floor_buckets()) {
+            self.rebuild(fits.max(self.floor_buckets()));
         } else {
             let mask = (1u32 << self.pos_bits) - 1;
             let tomb = self.tomb();
@@ -868,15 +903,18 @@ impl BlockStore {
     /// Shrink the table when it is mostly empty (after large removals).
     pub(crate) fn maybe_shrink(&mut self) {
         let n = self.buckets.len();
-        if n > MIN_BUCKETS && self.len * 8 < n {
-            self.rebuild((self.len * 2).max(MIN_BUCKETS));
+        let least = MIN_BUCKETS.max(self.floor_buckets());
+        if n > least && self.len * 8 < n {
+            self.rebuild((self.len * 2).max(least));
             self.buckets.shrink_to_fit();
         }
     }
 
-    /// Drop everything.
+    /// Drop everything but the reservation ([`BlockStore::reserve`]).
     pub(crate) fn clear(&mut self) {
+        let floor = self.floor;
         *self = Self::new();
+        self.reserve(floor);
     }
 
     /// Every live (key, records) (tests and diagnostics).
@@ -1159,6 +1197,87 @@ mod tests {
     }
 
     /// Tombstones survive a widening as tombstones (not as a position).
+    /// A reservation sizes the table and the arena once: storing that many blocks then neither
+    /// rebuilds the table (the same allocation throughout) nor grows the arena, where the same
+    /// stores without it do both; positions are widened up front.
+    #[test]
+    fn a_reservation_stores_its_blocks_without_growing() {
+        let key = |k: u64| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xa5a5;
+        const N: u64 = 5000;
+        let fill = |t: &mut BlockStore| {
+            for k in 0..N {
+                assert_eq!(t.insert(key(k), 0x80), Some(k as usize), "key {k}");
+            }
+        };
+        let mut grown = BlockStore::with_pos_bits(8);
+        let start = grown.buckets.len();
+        fill(&mut grown);
+        assert!(grown.buckets.len() > start * 16, "without a reservation the table grows");
+        assert_eq!(grown.pos_bits, 14, "and positions widen as they come: 8 → 10 → 12 → 14");
+
+        let mut t = BlockStore::with_pos_bits(8);
+        t.reserve(N as usize);
+        assert_eq!(t.pos_bits, 14, "positions widened for the reservation at once");
+        let (table, buckets) = (t.buckets.as_ptr(), t.buckets.len());
+        let (keys, heads) = (t.keys.as_ptr(), t.heads.as_ptr());
+        assert!(buckets * 7 >= N as usize * 8 && buckets < N as usize * 8 / 7 + 2 * GROUP, "{buckets}");
+        let reserved = t.memory_bytes();
+        fill(&mut t);
+        assert_eq!((t.buckets.as_ptr(), t.buckets.len()), (table, buckets), "the table was never rebuilt");
+        assert_eq!((t.keys.as_ptr(), t.heads.as_ptr()), (keys, heads), "the arena never grew");
+        assert_eq!(t.memory_bytes(), reserved, "the memory was all held from the start");
+        assert!(reserved < grown.memory_bytes() + (N as usize) * 4, "about what the grown store holds");
+        for k in 0..N {
+            assert_eq!(t.find(key(k)), Some(k as usize));
+        }
+        t.check_refs();
+        // One more block than reserved: the store grows as usual.
+        assert_eq!(t.insert(key(N), 0x80), Some(N as usize));
+        assert_eq!(t.find(key(N)), Some(N as usize));
+        t.check_refs();
+    }
+
+    /// Deletions, compactions, shrinking and clearing keep the reserved room; a reservation of 0
+    /// lets the store shrink again.
+    #[test]
+    fn a_reservation_is_a_floor_the_store_does_not_shrink_below() {
+        let key = |k: u64| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x3c3c;
+        let mut t = BlockStore::new();
+        t.reserve(4096);
+        let floor = t.buckets.len();
+        for k in 0..4096u64 {
+            t.insert(key(k), 0x80);
+        }
+        for k in 0..4000usize {
+            t.delete(k);
+        }
+        t.compact(0);
+        t.maybe_shrink();
+        assert_eq!(t.buckets.len(), floor, "kept through deletions");
+        assert!(t.keys.capacity() >= 4096 && t.heads.capacity() >= 4096, "the arena too");
+        for k in 4000..4096u64 {
+            assert_eq!(t.find(key(k)), Some(k as usize - 4000), "the survivors, renumbered");
+        }
+        t.check_refs();
+        t.clear();
+        assert_eq!((t.len(), t.buckets.len()), (0, floor), "a cleared store keeps its reservation");
+        assert!(t.keys.capacity() >= 4096);
+        t.reserve(0);
+        for k in 0..64u64 {
+            t.insert(key(k), 0x80);
+        }
+        for k in 0..60usize {
+            t.delete(k);
+        }
+        t.compact(0);
+        t.maybe_shrink();
+        assert!(t.buckets.len() < floor / 8, "without it the store shrinks: {}", t.buckets.len());
+        for k in 60..64u64 {
+            assert_eq!(t.find(key(k)), Some(k as usize - 60));
+        }
+        t.check_refs();
+    }
+
     #[test]
     fn widening_keeps_tombstones() {
         let mut t = BlockStore::with_pos_bits(8);
