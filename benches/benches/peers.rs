@@ -349,7 +349,7 @@ fn precise_build(wl: &PeerWorkload) -> PrefixIndex {
 /// none).
 fn precise_build_reserved(wl: &PeerWorkload, blocks: usize) -> PrefixIndex {
     let mut ix: PrefixIndex = PrefixIndex::new(0, wl.shape.capacity_per_endpoint);
-    ix.reserve(blocks);
+    ix.reserve(blocks).expect("the memory for the reservation");
     for e in 0..wl.shape.endpoints {
         ix.activate(e);
     }

@@ -92,7 +92,10 @@ fn main() {
         let blocks = usize::try_from(build().stats().keys).unwrap_or(usize::MAX);
         for reserve in [0, blocks] {
             let mut ix = PrefixIndex::new(0, shape.capacity_per_endpoint);
-            ix.reserve(reserve);
+            if let Err(e) = ix.reserve(reserve) {
+                println!("W={w}: no memory for {reserve} blocks: {e}");
+                return;
+            }
             for e in 0..w {
                 ix.activate(e);
             }

@@ -154,3 +154,61 @@ fn index_survives_a_reload_that_keeps_hashing_and_resets_when_hashing_changes() 
     router.reload_str(r#"{"index":{"block_tokens":32,"capacity_bytes_per_endpoint":4096}}"#).unwrap();
     assert!(router.endpoints().iter().all(|e| e.index_memberships <= 256));
 }
+
+/// `index.reserve_blocks` and `index.precise.reserve_blocks` size both indexes when the router
+/// starts and again when a reload changes them (a smaller one gives the room back); a value past
+/// the limit is rejected and changes nothing; routing is the same with or without a reservation,
+/// and a reload that changes only the reservation keeps the index's entries.
+#[test]
+fn index_reservations_size_the_indexes_at_start_and_at_reload() {
+    const BOTH: &str = r#"{"index":{"reserve_blocks":100000,"precise":{"reserve_blocks":50000}}}"#;
+    let plain = Router::default();
+    let reserved = Router::new(Policy::from_json(BOTH).unwrap());
+    let (p, r) = (plain.stats(), reserved.stats());
+    assert!(p.index.memory_bytes < 20_000, "no reservation: {} bytes", p.index.memory_bytes);
+    assert!(r.index.memory_bytes >= 100_000 * 16, "approximate: {} bytes", r.index.memory_bytes);
+    assert!(r.precise.index.memory_bytes >= 50_000 * 16, "precise, per copy: {} bytes", r.precise.index.memory_bytes);
+    assert!(p.precise.index.memory_bytes < 20_000);
+
+    let body = |k: usize| format!(r#"{{"model":"m","prompt":"{} {k}","max_tokens":500}}"#, "abcd".repeat(64 * 20));
+    let route = |router: &Router, k: usize, now: u64| {
+        let d = router.route_http(body(k % 3).as_bytes(), [("a", "b")], now).unwrap();
+        router.complete(&d.request_id).unwrap();
+        (d.endpoint().map(str::to_owned), d.prefix_hit)
+    };
+    for router in [&plain, &reserved] {
+        for i in 1..=3 {
+            router.upsert_endpoint(EndpointSpec::new(format!("10.0.0.{i}:8000"), Role::Decode)).unwrap();
+        }
+    }
+    for k in 0..12 {
+        assert_eq!(route(&plain, k, k as u64), route(&reserved, k, k as u64), "request {k}");
+    }
+
+    // Lowering the approximate reservation gives its room back; the entries stay.
+    let v = reserved.reload_str(r#"{"index":{"precise":{"reserve_blocks":50000}}}"#).unwrap();
+    let s = reserved.stats();
+    assert!(s.index.memory_bytes < 20_000, "{} bytes after the reload", s.index.memory_bytes);
+    assert!(s.precise.index.memory_bytes >= 50_000 * 16, "the precise one keeps its own");
+    assert_eq!(route(&reserved, 0, 20).1, 1.0, "entries kept");
+
+    for (text, field) in [
+        (r#"{"index":{"reserve_blocks":134217726}}"#, "index.reserve_blocks"),
+        (r#"{"index":{"precise":{"reserve_blocks":18446744073709551615}}}"#, "index.precise.reserve_blocks"),
+    ] {
+        match reserved.reload_str(text) {
+            Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{text}: {other:?}"),
+        }
+        assert_eq!(reserved.policy().version, v, "a rejected reservation changes nothing");
+    }
+    assert_eq!(kvroute::MAX_RESERVE_BLOCKS, 134_217_725);
+    // The limit itself is valid (checked without building a router: it would hold 2.2 GB).
+    Policy::from_json(r#"{"index":{"reserve_blocks":134217725,"precise":{"reserve_blocks":134217725}}}"#).unwrap();
+    reserved.reload_str(r#"{"index":{"reserve_blocks":200000}}"#).unwrap();
+    assert!(reserved.stats().index.memory_bytes >= 200_000 * 16, "raised again");
+    assert_eq!(route(&reserved, 0, 21).1, 1.0, "entries kept through the growth");
+    reserved.reload_str("{}").unwrap();
+    assert!(reserved.stats().index.memory_bytes < 20_000);
+    assert!(reserved.stats().precise.index.memory_bytes < 20_000, "and the precise one's");
+}

@@ -10,6 +10,9 @@
 mod prefix;
 mod store;
 
+/// The most distinct blocks an index holds (positions in a table bucket).
+pub(crate) const MAX_BLOCKS: usize = store::MAX_POSITIONS;
+
 pub use prefix::{
     ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, SlotMatch, GENERATIONS,
     MAX_SLOTS,

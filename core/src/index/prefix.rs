@@ -611,10 +611,14 @@ impl PrefixIndex {
     ///
     /// The memory is held from now on and counted in [`PrefixIndex::stats`] (about 16.6 bytes
     /// per reserved block: its key, its head and its table bucket at load 7/8). The index never
-    /// shrinks below the reservation, through deletions or [`PrefixIndex::reset`]; a later call
-    /// replaces it (0: none). At most the arena's limit (2^27 blocks).
-    pub fn reserve(&mut self, blocks: usize) {
-        self.store.reserve(blocks);
+    /// shrinks below the reservation, through deletions or [`PrefixIndex::reset`]. A later call
+    /// replaces it; a smaller one gives back the room the contents do not need (0: no
+    /// reservation). At most 2^27 - 3 blocks (the most an index holds).
+    ///
+    /// The table's memory is written now, so it is held, not only promised. An error says the
+    /// memory could not be allocated; the index is then as it was, without the reservation.
+    pub fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
+        self.store.reserve(blocks)
     }
 
     /// Change the per-endpoint capacity; endpoints over it lose their oldest generations now.

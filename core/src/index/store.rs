@@ -148,6 +148,11 @@ fn group_masks(g: &[u32; GROUP], pos_bits: u32, tag: u32) -> (u32, u32) {
     (empty, hit)
 }
 
+/// Table buckets that hold `blocks` blocks at the load limit (7/8), a whole number of groups.
+fn buckets_for(blocks: usize) -> usize {
+    (blocks * 8).div_ceil(7).next_multiple_of(GROUP)
+}
+
 /// Grow `v` to hold `extra` more elements by steps of 1.25x (memory follows the contents closely;
 /// `Vec`'s doubling would leave up to half of it unused).
 fn reserve_stepped<T>(v: &mut Vec<T>, extra: usize) {
@@ -755,35 +760,60 @@ impl BlockStore {
     /// rebuild now, if it has fewer), and neither shrinks below it later. Storing up to `blocks`
     /// blocks then never rebuilds the table, which a growing store does at every 1.5x step
     /// (moving every block: a pause of the store, and most of a build's time). At most
-    /// [`MAX_POSITIONS`]; a smaller reservation than the store's size changes nothing now and
-    /// lowers the floor.
-    pub(crate) fn reserve(&mut self, blocks: usize) {
+    /// [`MAX_POSITIONS`]. A smaller reservation than the last lowers the floor and gives back
+    /// what the store's contents do not need now (0: no reservation).
+    ///
+    /// The table's memory is written (zeroed) now, so it is held, not only promised; where it
+    /// cannot be allocated, the store is left as it was, without the reservation.
+    pub(crate) fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
         let blocks = blocks.min(MAX_POSITIONS);
-        self.floor = blocks;
-        if blocks == 0 {
-            return;
+        if blocks < self.floor {
+            self.floor = blocks;
+            self.maybe_shrink();
+            let keep = self.keys.len().max(blocks);
+            if self.keys.capacity() > keep + keep / 8 + 64 {
+                self.keys.shrink_to(keep + keep / 16);
+                self.heads.shrink_to(keep + keep / 16);
+            }
         }
-        self.keys.reserve_exact(blocks.saturating_sub(self.keys.len()));
-        self.heads.reserve_exact(blocks.saturating_sub(self.heads.len()));
+        if blocks == 0 {
+            return Ok(());
+        }
+        let n = buckets_for(blocks);
+        let mut table = Vec::new();
+        if n > self.buckets.len() {
+            table.try_reserve_exact(n)?;
+        }
+        self.keys.try_reserve_exact(blocks.saturating_sub(self.keys.len()))?;
+        self.heads.try_reserve_exact(blocks.saturating_sub(self.heads.len()))?;
+        self.floor = blocks;
         // Positions up to `blocks - 1` without widening (see `table_changes`).
         while blocks + 2 > 1 << self.pos_bits && self.pos_bits < MAX_POS_BITS {
             self.widen();
         }
-        let n = self.floor_buckets();
         if n > self.buckets.len() {
-            self.rebuild(n);
+            table.resize(n, 0);
+            self.buckets = table;
+            self.place_all();
         }
+        Ok(())
     }
 
     /// Buckets the table keeps at least: room for the reserved blocks at load 7/8.
     fn floor_buckets(&self) -> usize {
-        (self.floor * 8).div_ceil(7).next_multiple_of(GROUP)
+        buckets_for(self.floor)
     }
 
     /// Rebuild the table with `n` buckets from the arena.
     fn rebuild(&mut self, n: usize) {
         self.buckets = Vec::new();
         self.buckets = vec![0; n.max(MIN_BUCKETS).next_multiple_of(GROUP)];
+        self.place_all();
+    }
+
+    /// Place every live block in the table, empty (all zero) and as large as they need.
+    fn place_all(&mut self) {
+        debug_assert!(self.buckets.iter().all(|&b| b == 0) && self.len * 8 <= self.buckets.len() * 7);
         // Homes a few positions ahead are prefetched: a large table's misses then overlap. Each
         // key is mixed once, for its prefetch; the mixes wait in a ring until placed.
         const AHEAD: usize = 16;
@@ -910,11 +940,25 @@ impl BlockStore {
         }
     }
 
-    /// Drop everything but the reservation ([`BlockStore::reserve`]).
+    /// Drop everything but the reservation ([`BlockStore::reserve`]): a reserved store keeps
+    /// its arena's and table's memory, emptied.
     pub(crate) fn clear(&mut self) {
         let floor = self.floor;
+        let keys = std::mem::take(&mut self.keys);
+        let heads = std::mem::take(&mut self.heads);
+        let buckets = std::mem::take(&mut self.buckets);
         *self = Self::new();
-        self.reserve(floor);
+        if floor > 0 {
+            let (mut keys, mut heads, mut buckets) = (keys, heads, buckets);
+            keys.clear();
+            heads.clear();
+            buckets.fill(0);
+            (self.keys, self.heads, self.buckets, self.floor) = (keys, heads, buckets, floor);
+            // An empty table: wider positions re-encode nothing.
+            while floor + 2 > 1 << self.pos_bits && self.pos_bits < MAX_POS_BITS {
+                self.pos_bits = (self.pos_bits + 2).min(MAX_POS_BITS);
+            }
+        }
     }
 
     /// Every live (key, records) (tests and diagnostics).
@@ -1216,7 +1260,7 @@ mod tests {
         assert_eq!(grown.pos_bits, 14, "and positions widen as they come: 8 → 10 → 12 → 14");
 
         let mut t = BlockStore::with_pos_bits(8);
-        t.reserve(N as usize);
+        t.reserve(N as usize).unwrap();
         assert_eq!(t.pos_bits, 14, "positions widened for the reservation at once");
         let (table, buckets) = (t.buckets.as_ptr(), t.buckets.len());
         let (keys, heads) = (t.keys.as_ptr(), t.heads.as_ptr());
@@ -1243,7 +1287,7 @@ mod tests {
     fn a_reservation_is_a_floor_the_store_does_not_shrink_below() {
         let key = |k: u64| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x3c3c;
         let mut t = BlockStore::new();
-        t.reserve(4096);
+        t.reserve(4096).unwrap();
         let floor = t.buckets.len();
         for k in 0..4096u64 {
             t.insert(key(k), 0x80);
@@ -1259,10 +1303,21 @@ mod tests {
             assert_eq!(t.find(key(k)), Some(k as usize - 4000), "the survivors, renumbered");
         }
         t.check_refs();
+        let (table, arena) = (t.buckets.as_ptr(), t.keys.as_ptr());
         t.clear();
         assert_eq!((t.len(), t.buckets.len()), (0, floor), "a cleared store keeps its reservation");
-        assert!(t.keys.capacity() >= 4096);
-        t.reserve(0);
+        assert_eq!((t.buckets.as_ptr(), t.keys.as_ptr()), (table, arena), "its very memory, emptied");
+        assert!(t.keys.capacity() >= 4096 && t.find(key(4050)).is_none());
+        for k in 0..4096u64 {
+            assert_eq!(t.insert(key(k + 7), 0x80), Some(k as usize));
+        }
+        assert_eq!((t.buckets.as_ptr(), t.keys.as_ptr()), (table, arena), "and stores into it without growing");
+        t.check_refs();
+        t.clear();
+        let reserved = t.memory_bytes();
+        t.reserve(0).unwrap();
+        assert_eq!(t.buckets.len(), MIN_BUCKETS, "no reservation: an empty store gives its room back");
+        assert!(t.memory_bytes() * 20 < reserved, "{} of {reserved} bytes", t.memory_bytes());
         for k in 0..64u64 {
             t.insert(key(k), 0x80);
         }

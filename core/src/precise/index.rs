@@ -301,8 +301,12 @@ impl KvIndex {
     /// An empty index configured by `cfg` (`index.precise`).
     pub fn new(cfg: &PolicyConfig, fingerprint: u64, capacity: u32) -> Self {
         let p = &cfg.index.precise;
+        let mut blocks = PrefixIndex::new(fingerprint, capacity);
+        // Without the memory, the index runs without the reservation (its memory in the stats
+        // shows it).
+        blocks.reserve(usize::try_from(p.reserve_blocks).unwrap_or(usize::MAX)).ok();
         KvIndex {
-            blocks: PrefixIndex::new(fingerprint, capacity),
+            blocks,
             scheme: p.keys,
             hashing: DualKeyHashing { block_tokens: p.index_block_tokens },
             engine_block_tokens: p.engine_block_tokens,
@@ -356,6 +360,11 @@ impl KvIndex {
         for s in &mut self.streams {
             *s = StreamTracker::new();
         }
+    }
+
+    /// Keep room for `blocks` distinct blocks from now on ([`PrefixIndex::reserve`]).
+    pub fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
+        self.blocks.reserve(blocks)
     }
 
     /// Change the per-endpoint capacity and the per-endpoint map capacity.

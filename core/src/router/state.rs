@@ -219,6 +219,14 @@ pub(super) fn nz(n: usize) -> NonZeroUsize {
     NonZeroUsize::new(n).unwrap_or(NonZeroUsize::MIN)
 }
 
+/// A validated `reserve_blocks` (at most [`crate::MAX_RESERVE_BLOCKS`]) as a count. A
+/// reservation whose memory cannot be allocated is not made: the index runs as without it, and
+/// its memory in the router's stats shows what it holds (the policy was valid; the machine
+/// lacked the memory).
+fn reserved(blocks: u64) -> usize {
+    usize::try_from(blocks).unwrap_or(usize::MAX)
+}
+
 fn unknown(id: &str) -> StateError {
     StateError::UnknownEndpoint { id: id.to_owned() }
 }
@@ -230,7 +238,12 @@ impl RouterCore {
         let cfg = active.policy.config();
         RouterCore {
             endpoints: EndpointTable::default(),
-            index: Versioned::new(ApproxIndex::new(active.fingerprint, active.capacity)),
+            index: Versioned::new({
+                let mut ix = ApproxIndex::new(active.fingerprint, active.capacity);
+                // Without the memory, the index runs without the reservation (see `reserved`).
+                ix.reserve(reserved(cfg.index.reserve_blocks)).ok();
+                ix
+            }),
             kv: KvCell::new(KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity)),
             books: Books::new(cfg.limits.session_capacity),
             record_effects: false,
@@ -275,6 +288,14 @@ impl RouterCore {
             self.index.write().set_capacity(new.capacity);
         }
         let cfg = new.policy.config();
+        let old = &self.active.policy.config().index;
+        if cfg.index.reserve_blocks != old.reserve_blocks {
+            self.index.write().reserve(reserved(cfg.index.reserve_blocks)).ok();
+        }
+        if cfg.index.precise.reserve_blocks != old.precise.reserve_blocks {
+            let n = reserved(cfg.index.precise.reserve_blocks);
+            self.kv.write(|kv| kv.reserve(n).ok());
+        }
         if new.precise_fingerprint != self.kv.read().fingerprint() {
             self.kv.write(|kv| kv.reconfigure(cfg, new.precise_fingerprint));
             self.books.counters.index_resets += 1;
