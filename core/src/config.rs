@@ -99,8 +99,8 @@ pub struct IndexConfig {
     pub capacity_bytes_per_endpoint: u64,
     /// Distinct blocks the approximate index keeps room for from the start (0, the default:
     /// none; see [`PrefixIndex::reserve`](crate::PrefixIndex::reserve)). Growing to that size,
-    /// the index then never rebuilds its table, a pause of every write to it (about 30 ms at
-    /// 2.8M blocks on a 2-core machine) that moves every block. About 16.6 bytes per block are
+    /// the index then never rebuilds its table, a pause of every write to it (up to about 37 ms
+    /// at 2.8M blocks on a 2-core machine) that moves every block. About 16.6 bytes per block are
     /// held from the start and counted in its memory. At most [`MAX_RESERVE_BLOCKS`].
     pub reserve_blocks: u64,
     /// Lifetime of speculative entries in the event-fed precise index, milliseconds. Routing

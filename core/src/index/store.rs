@@ -1240,7 +1240,6 @@ mod tests {
         t.check_refs();
     }
 
-    /// Tombstones survive a widening as tombstones (not as a position).
     /// A reservation sizes the table and the arena once: storing that many blocks then neither
     /// rebuilds the table (the same allocation throughout) nor grows the arena, where the same
     /// stores without it do both; positions are widened up front.
@@ -1333,6 +1332,7 @@ mod tests {
         t.check_refs();
     }
 
+    /// Tombstones survive a widening as tombstones (not as a position).
     #[test]
     fn widening_keeps_tombstones() {
         let mut t = BlockStore::with_pos_bits(8);
