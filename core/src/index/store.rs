@@ -1285,17 +1285,21 @@ mod tests {
     #[test]
     fn a_reservation_is_a_floor_the_store_does_not_shrink_below() {
         let key = |k: u64| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x3c3c;
+        // Store keys 0..n, delete the first `gone`, compact and shrink as the index does.
+        let churn = |t: &mut BlockStore, n: u64, gone: usize| {
+            for k in 0..n {
+                t.insert(key(k), 0x80);
+            }
+            for pos in 0..gone {
+                t.delete(pos);
+            }
+            t.compact(0);
+            t.maybe_shrink();
+        };
         let mut t = BlockStore::new();
         t.reserve(4096).unwrap();
         let floor = t.buckets.len();
-        for k in 0..4096u64 {
-            t.insert(key(k), 0x80);
-        }
-        for k in 0..4000usize {
-            t.delete(k);
-        }
-        t.compact(0);
-        t.maybe_shrink();
+        churn(&mut t, 4096, 4000);
         assert_eq!(t.buckets.len(), floor, "kept through deletions");
         assert!(t.keys.capacity() >= 4096 && t.heads.capacity() >= 4096, "the arena too");
         for k in 4000..4096u64 {
@@ -1317,14 +1321,7 @@ mod tests {
         t.reserve(0).unwrap();
         assert_eq!(t.buckets.len(), MIN_BUCKETS, "no reservation: an empty store gives its room back");
         assert!(t.memory_bytes() * 20 < reserved, "{} of {reserved} bytes", t.memory_bytes());
-        for k in 0..64u64 {
-            t.insert(key(k), 0x80);
-        }
-        for k in 0..60usize {
-            t.delete(k);
-        }
-        t.compact(0);
-        t.maybe_shrink();
+        churn(&mut t, 64, 60);
         assert!(t.buckets.len() < floor / 8, "without it the store shrinks: {}", t.buckets.len());
         for k in 60..64u64 {
             assert_eq!(t.find(key(k)), Some(k as usize - 60));
