@@ -962,7 +962,11 @@ fn main() {
         let shape = WorkloadShape::for_endpoints(w);
         let wl = PeerWorkload::generate(&shape, 7, 64);
         let probe_keys = wl.probe_keys();
-        let reference = overlaps(&precise_build(&wl), &probe_keys);
+        // The reference answers, and the store's final block count (for the reserved pairs).
+        let (reference, blocks) = {
+            let ix = precise_build(&wl);
+            (overlaps(&ix, &probe_keys), usize::try_from(ix.stats().keys).unwrap_or(usize::MAX))
+        };
         let hits = reference.iter().map(|r| r.iter().filter(|&&b| b > 0).count()).sum::<usize>();
         println!(
             "W={w}: {} memberships, {} placed blocks; probes hit {:.1} endpoints on average",
@@ -1006,7 +1010,6 @@ fn main() {
             kv_index_token_tree(&mut c, &inp, runs, &group, 1),
             kv_index_token_tree(&mut c, &inp, runs, &group, 16),
         ];
-        let blocks = usize::try_from(precise_build(&inp.wl).stats().keys).unwrap_or(usize::MAX);
         let reserved_stats = {
             let ix = precise_build_reserved(&inp.wl, blocks);
             assert_eq!(overlaps(&ix, &inp.probe_keys), inp.reference, "a reserved store answers alike");

@@ -192,6 +192,7 @@ fn index_reservations_size_the_indexes_at_start_and_at_reload() {
     assert!(s.precise.index.memory_bytes >= 50_000 * 16, "the precise one keeps its own");
     assert_eq!(route(&reserved, 0, 20).1, 1.0, "entries kept");
 
+    let before = reserved.stats();
     for (text, field) in [
         (r#"{"index":{"reserve_blocks":134217726}}"#, "index.reserve_blocks"),
         (r#"{"index":{"precise":{"reserve_blocks":18446744073709551615}}}"#, "index.precise.reserve_blocks"),
@@ -202,6 +203,25 @@ fn index_reservations_size_the_indexes_at_start_and_at_reload() {
         }
         assert_eq!(reserved.policy().version, v, "a rejected reservation changes nothing");
     }
+    // Wrong types and malformed values: typed errors too, naming the field.
+    for text in [
+        r#"{"index":{"reserve_blocks":-1}}"#,
+        r#"{"index":{"reserve_blocks":"many"}}"#,
+        r#"{"index":{"reserve_blocks":1.5}}"#,
+        r#"{"index":{"precise":{"reserve_blocks":null}}}"#,
+        r#"{"index":{"reserve_blocks":1e30}}"#,
+        "index:\n  reserve_blocks: [1]\n",
+    ] {
+        let e = reserved.reload_str(text).expect_err(text);
+        assert!(e.to_string().contains("reserve_blocks"), "{text}: {e}");
+        assert_eq!(reserved.policy().version, v, "{text} changes nothing");
+    }
+    let after = reserved.stats();
+    assert_eq!(
+        (after.index.memory_bytes, after.precise.index.memory_bytes, after.counters.reload_failures),
+        (before.index.memory_bytes, before.precise.index.memory_bytes, before.counters.reload_failures + 8),
+        "the indexes as they were; every rejection counted"
+    );
     assert_eq!(kvroute::MAX_RESERVE_BLOCKS, 134_217_725);
     // The limit itself is valid (checked without building a router: it would hold 2.2 GB).
     Policy::from_json(r#"{"index":{"reserve_blocks":134217725,"precise":{"reserve_blocks":134217725}}}"#).unwrap();

@@ -13,6 +13,14 @@ mod store;
 /// The most distinct blocks an index holds (positions in a table bucket).
 pub(crate) const MAX_BLOCKS: usize = store::MAX_POSITIONS;
 
+/// Give `ix` the reservation a policy's `reserve_blocks` asks for (validated: at most
+/// [`crate::MAX_RESERVE_BLOCKS`]). One whose memory cannot be allocated is not made: the index
+/// runs as without it, and its memory in the router's stats shows what it holds (the policy was
+/// valid; the machine lacked the memory).
+pub(crate) fn reserve_as_configured(ix: &mut PrefixIndex, blocks: u64) {
+    ix.reserve(usize::try_from(blocks).unwrap_or(usize::MAX)).ok();
+}
+
 pub use prefix::{
     ApproxIndex, Holding, IndexStats, MatchScratch, MatchWeights, PrefixIndex, PrefixMatch, SlotMatch, GENERATIONS,
     MAX_SLOTS,

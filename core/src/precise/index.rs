@@ -302,9 +302,7 @@ impl KvIndex {
     pub fn new(cfg: &PolicyConfig, fingerprint: u64, capacity: u32) -> Self {
         let p = &cfg.index.precise;
         let mut blocks = PrefixIndex::new(fingerprint, capacity);
-        // Without the memory, the index runs without the reservation (its memory in the stats
-        // shows it).
-        blocks.reserve(usize::try_from(p.reserve_blocks).unwrap_or(usize::MAX)).ok();
+        crate::index::reserve_as_configured(&mut blocks, p.reserve_blocks);
         KvIndex {
             blocks,
             scheme: p.keys,
@@ -365,6 +363,12 @@ impl KvIndex {
     /// Keep room for `blocks` distinct blocks from now on ([`PrefixIndex::reserve`]).
     pub fn reserve(&mut self, blocks: usize) -> Result<(), std::collections::TryReserveError> {
         self.blocks.reserve(blocks)
+    }
+
+    /// The reservation `index.precise.reserve_blocks` asks for (see
+    /// `crate::index::reserve_as_configured`).
+    pub(crate) fn reserve_as_configured(&mut self, blocks: u64) {
+        crate::index::reserve_as_configured(&mut self.blocks, blocks);
     }
 
     /// Change the per-endpoint capacity and the per-endpoint map capacity.

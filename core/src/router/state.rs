@@ -219,14 +219,6 @@ pub(super) fn nz(n: usize) -> NonZeroUsize {
     NonZeroUsize::new(n).unwrap_or(NonZeroUsize::MIN)
 }
 
-/// A validated `reserve_blocks` (at most [`crate::MAX_RESERVE_BLOCKS`]) as a count. A
-/// reservation whose memory cannot be allocated is not made: the index runs as without it, and
-/// its memory in the router's stats shows what it holds (the policy was valid; the machine
-/// lacked the memory).
-fn reserved(blocks: u64) -> usize {
-    usize::try_from(blocks).unwrap_or(usize::MAX)
-}
-
 fn unknown(id: &str) -> StateError {
     StateError::UnknownEndpoint { id: id.to_owned() }
 }
@@ -240,8 +232,7 @@ impl RouterCore {
             endpoints: EndpointTable::default(),
             index: Versioned::new({
                 let mut ix = ApproxIndex::new(active.fingerprint, active.capacity);
-                // Without the memory, the index runs without the reservation (see `reserved`).
-                ix.reserve(reserved(cfg.index.reserve_blocks)).ok();
+                crate::index::reserve_as_configured(&mut ix, cfg.index.reserve_blocks);
                 ix
             }),
             kv: KvCell::new(KvIndex::new(cfg, active.precise_fingerprint, active.precise_capacity)),
@@ -290,11 +281,11 @@ impl RouterCore {
         let cfg = new.policy.config();
         let old = &self.active.policy.config().index;
         if cfg.index.reserve_blocks != old.reserve_blocks {
-            self.index.write().reserve(reserved(cfg.index.reserve_blocks)).ok();
+            crate::index::reserve_as_configured(self.index.write(), cfg.index.reserve_blocks);
         }
         if cfg.index.precise.reserve_blocks != old.precise.reserve_blocks {
-            let n = reserved(cfg.index.precise.reserve_blocks);
-            self.kv.write(|kv| kv.reserve(n).ok());
+            let n = cfg.index.precise.reserve_blocks;
+            self.kv.write(|kv| kv.reserve_as_configured(n));
         }
         if new.precise_fingerprint != self.kv.read().fingerprint() {
             self.kv.write(|kv| kv.reconfigure(cfg, new.precise_fingerprint));
