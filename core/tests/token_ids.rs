@@ -81,12 +81,18 @@ fn near_misses_agree() {
 fn body() -> impl Strategy<Value = Vec<u8>> {
     let id = prop_oneof![0u32..10, 0u32..1000, 0u32..200_000, any::<u32>()];
     let ws = prop_oneof![Just(""), Just(""), Just(" "), Just("\n  "), Just("\t"), Just("\r\n")];
-    let list = prop::collection::vec((id, ws.clone()), 1..40).prop_map(|v| {
+    let list = prop::collection::vec((id.clone(), ws.clone()), 1..40).prop_map(|v| {
         let items: Vec<String> = v.into_iter().map(|(i, w)| format!("{w}{i}{w}")).collect();
         format!("[{}]", items.join(","))
     });
+    // Python's `json.dumps` separators: `, ` between ids, nothing else.
+    let spaced = prop::collection::vec(id, 1..60).prop_map(|v| {
+        let items: Vec<String> = v.iter().map(u32::to_string).collect();
+        format!("[{}]", items.join(", "))
+    });
     let prompt = prop_oneof![
         3 => list.clone(),
+        2 => spaced,
         1 => prop::collection::vec(list, 1..4).prop_map(|v| format!("[{}]", v.join(", "))),
     ];
     (prompt, ws, any::<bool>(), 0u8..4).prop_map(|(p, w, model_first, extra)| {
